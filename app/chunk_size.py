@@ -1,0 +1,93 @@
+"""The server's one chunk size: selection, bindings and reads, serialised.
+
+``ChunkSizeAuthority`` is the only owner of the negotiated size. Negotiations are
+serialised by a lock, so concurrent callers see one consistent answer; reads
+(``snapshot``) never select or freeze anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from app.bindings import BindingPipeline
+from app.errors import BindingFailed, IncompatibleAlignment, InvalidRequest, ResizeAfterSessions
+from app.negotiation import ChunkSizeState, NegotiationPolicy, decide
+from app.schemas import BindingStatus
+from app.telemetry import Telemetry
+
+__all__ = ["ChunkSizeAuthority", "ChunkSizeSnapshot"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChunkSizeSnapshot:
+    state: ChunkSizeState
+    bindings: dict[str, BindingStatus]
+
+
+class ChunkSizeAuthority:
+    def __init__(
+        self,
+        policy: NegotiationPolicy,
+        pipeline: BindingPipeline,
+        live_sessions: Callable[[], int],
+        telemetry: Telemetry,
+    ) -> None:
+        self.policy = policy
+        self._pipeline = pipeline
+        self._live_sessions = live_sessions
+        self._telemetry = telemetry
+        self._state = ChunkSizeState()
+        self._lock = threading.Lock()
+
+    @property
+    def final_size(self) -> int | None:
+        """The chunk size once every binding succeeded, else None."""
+        state = self._state
+        return state.selected if state.final else None
+
+    def snapshot(self) -> ChunkSizeSnapshot:
+        with self._lock:
+            return ChunkSizeSnapshot(self._state, self._pipeline.status())
+
+    def negotiate(self, required_alignment: int) -> int:
+        """Select or confirm the chunk size for ``required_alignment``; return it."""
+        outcome = "ok"
+        try:
+            with self._lock:
+                decision = decide(
+                    self._state, required_alignment, self.policy, self._live_sessions()
+                )
+                if decision.kind == "reselect":
+                    logger.info(
+                        "re-selecting chunk size %s -> %d (alignments %s)",
+                        self._state.selected,
+                        decision.chunk_size,
+                        decision.state.alignments,
+                    )
+                    self._pipeline.reset()
+                self._state = decision.state
+                if not self._state.final:
+                    self._pipeline.run(decision.chunk_size)
+                    self._state = replace(self._state, final=True)
+                    logger.info("chunk size %d is final", decision.chunk_size)
+                return decision.chunk_size
+        except InvalidRequest:
+            outcome = "invalid"
+            raise
+        except IncompatibleAlignment:
+            outcome = "incompatible"
+            raise
+        except ResizeAfterSessions:
+            outcome = "resize_refused"
+            raise
+        except BindingFailed as exc:
+            outcome = "binding_failed"
+            self._telemetry.binding_failures.labels(str(exc.extras.get("binding"))).inc()
+            raise
+        finally:
+            self._telemetry.negotiations.labels(outcome).inc()

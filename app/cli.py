@@ -1,0 +1,62 @@
+"""``mpcache server ...``: start the server with CLI flags over ``MPCACHE_*`` env."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from app.settings import Settings
+
+__all__ = ["main", "parse_settings"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mpcache", description="mpcache KV-cache server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    server = sub.add_parser(
+        "server", help="run the server", description="Flags override MPCACHE_* variables."
+    )
+    server.add_argument("--chunk-size", type=int, help="minimum chunk size in tokens (256)")
+    server.add_argument("--max-chunk-size", type=int, help="largest selectable chunk size")
+    server.add_argument("--host", help="bind address (127.0.0.1)")
+    server.add_argument("--port", type=int, help="port (8000)")
+    server.add_argument("--session-ttl-s", type=float, help="idle session lifetime (600)")
+    server.add_argument(
+        "--enable-blend", action="store_true", default=None, help="enable CacheBlend matcher"
+    )
+    server.add_argument("--log-level", help="uvicorn log level (info)")
+    return parser
+
+
+def parse_settings(argv: Sequence[str]) -> Settings:
+    """Settings from env, overridden by the flags given; raise SystemExit on bad input."""
+    args = _parser().parse_args(argv)
+    overrides: dict[str, Any] = {
+        k: v for k, v in vars(args).items() if k != "command" and v is not None
+    }
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        lines = [
+            f"  {'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}"
+            for e in exc.errors()
+        ]
+        raise SystemExit("mpcache: invalid settings:\n" + "\n".join(lines)) from exc
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = parse_settings(sys.argv[1:] if argv is None else argv)
+    import uvicorn
+
+    from app.main import create_app
+
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+    )

@@ -1,0 +1,89 @@
+"""The one place where errors become HTTP replies: problem-style JSON bodies."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.errors import MPCacheError, Unavailable
+
+__all__ = ["PROBLEM_MEDIA_TYPE", "install_error_handlers", "problem_response"]
+
+logger = logging.getLogger(__name__)
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+
+
+def problem_response(
+    status: int,
+    title: str,
+    slug: str,
+    detail: str,
+    headers: dict[str, str] | None = None,
+    **extras: Any,
+) -> JSONResponse:
+    body = {
+        "type": f"urn:mpcache:problem:{slug}",
+        "title": title,
+        "status": status,
+        "detail": detail,
+        **extras,
+    }
+    return JSONResponse(body, status_code=status, headers=headers, media_type=PROBLEM_MEDIA_TYPE)
+
+
+def _describe_validation(exc: RequestValidationError) -> tuple[str, list[dict[str, Any]]]:
+    errors: list[dict[str, Any]] = []
+    parts: list[str] = []
+    for err in exc.errors():
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        where = ".".join(loc) or "body"
+        msg = str(err.get("msg", "invalid"))
+        parts.append(f"{where}: {msg}")
+        errors.append({"loc": loc, "msg": msg, "type": str(err.get("type", ""))})
+    return "; ".join(parts) or "the request body is not valid", errors
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every error the app can raise to one problem-style body."""
+
+    async def on_domain(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, MPCacheError)
+        if exc.status >= 500 and not isinstance(exc, Unavailable):
+            logger.error("internal error: %s", exc.detail, exc_info=exc)
+        return problem_response(
+            exc.status, exc.title, exc.slug, exc.detail, exc.headers(), **exc.extras
+        )
+
+    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        detail, errors = _describe_validation(exc)
+        return problem_response(
+            422, "Malformed request", "malformed-request", detail, errors=errors
+        )
+
+    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return problem_response(
+            exc.status_code,
+            "Not found" if exc.status_code == 404 else "HTTP error",
+            "not-found" if exc.status_code == 404 else "http",
+            str(exc.detail),
+            dict(exc.headers or {}),
+        )
+
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=exc)
+        return problem_response(
+            500, "Internal server error", "internal", "unexpected server error; see server log"
+        )
+
+    app.add_exception_handler(MPCacheError, on_domain)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

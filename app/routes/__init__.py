@@ -1,0 +1,1 @@
+"""HTTP routes. Terse by design: the logic lives in the runtime's components."""

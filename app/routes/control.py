@@ -1,0 +1,103 @@
+"""Control plane: negotiation, chunk-size and health reads, metrics."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter, Response
+
+from app import __version__
+from app.deps import RuntimeDep
+from app.schemas import (
+    ChunkSizeResponse,
+    HealthResponse,
+    NegotiateRequest,
+    NegotiateResponse,
+    Problem,
+)
+
+__all__ = ["router"]
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter(tags=["control"])
+
+_PROBLEM = {"model": Problem, "content": {"application/problem+json": {}}}
+
+
+@router.post(
+    "/negotiate",
+    response_model=NegotiateResponse,
+    summary="Negotiate the chunk size",
+    description=(
+        "Select (first caller) or confirm the server's chunk size: the smallest multiple "
+        "of `required_alignment` at or above the configured minimum. Success is reported "
+        "only after the size is bound to every chunk-dependent part."
+    ),
+    responses={
+        409: {**_PROBLEM, "description": "Incompatible alignment, or resize after sessions"},
+        422: {**_PROBLEM, "description": "Malformed or out-of-range input"},
+        503: {**_PROBLEM, "description": "A binding failed; retry (resumes), see Retry-After"},
+    },
+)
+def negotiate(body: NegotiateRequest, runtime: RuntimeDep) -> NegotiateResponse:
+    size = runtime.chunk_size.negotiate(body.required_alignment)
+    logger.info(
+        "negotiated chunk size %d for alignment %d (model=%r role=%s instance=%r)",
+        size,
+        body.required_alignment,
+        body.model,
+        body.role,
+        body.instance_id,
+    )
+    return NegotiateResponse(
+        chunk_size=size,
+        min_chunk_size=runtime.chunk_size.policy.min_chunk_size,
+        required_alignment=body.required_alignment,
+        boot_id=runtime.boot_id,
+    )
+
+
+@router.get(
+    "/chunk-size",
+    response_model=ChunkSizeResponse,
+    summary="Read the chunk size (never selects or freezes it)",
+)
+def chunk_size(runtime: RuntimeDep) -> ChunkSizeResponse:
+    snap = runtime.chunk_size.snapshot()
+    return ChunkSizeResponse(
+        chunk_size=snap.state.selected,
+        final=snap.state.final,
+        min_chunk_size=runtime.chunk_size.policy.min_chunk_size,
+        max_chunk_size=runtime.chunk_size.policy.max_chunk_size,
+        alignments=list(snap.state.alignments),
+        bindings=snap.bindings,
+    )
+
+
+@router.get("/health", response_model=HealthResponse, summary="Liveness and identity")
+def health(runtime: RuntimeDep) -> HealthResponse:
+    state = runtime.chunk_size.snapshot().state
+    sessions = runtime.sessions.live_count()
+    runtime.telemetry.sessions.set(sessions)
+    return HealthResponse(
+        status="ok",
+        boot_id=runtime.boot_id,
+        chunk_size=state.selected,
+        final=state.final,
+        uptime_s=round(runtime.uptime_s, 3),
+        sessions=sessions,
+        registrations=0,
+        version=__version__,
+    )
+
+
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}},
+)
+def metrics(runtime: RuntimeDep) -> Response:
+    runtime.telemetry.sessions.set(runtime.sessions.live_count())
+    return Response(runtime.telemetry.render(), media_type="text/plain; version=0.0.4")

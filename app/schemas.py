@@ -1,0 +1,398 @@
+"""Wire schema: every request and reply body of the HTTP API.
+
+These pydantic models are the only source of the schema; ``openapi/openapi.json``
+is generated from them (``make openapi``) and a test fails when it drifts. The
+connector builds its requests from the same models, so both sides agree by
+construction. Names fixed by DESIGN s.4 must not change.
+
+Conventions (DESIGN s.4, s.5):
+- token counts and positions are in tokens; sizes carry ``_bytes``;
+- a ``namespace`` is the connector's identity for a model and KV layout
+  (model name, layout digest, world size); with ``cache_salt`` and the chunk
+  size it namespaces every chunk key;
+- ``block_ids[g][j]`` is the block of KV cache group ``g`` that holds tokens
+  ``[j * span_g, (j + 1) * span_g)`` of the request, ``span_g`` being the group's
+  token span from the registration; block id ``0`` is vLLM's null block and
+  means "no data here" (skipped on store, never written on retrieve).
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Annotated, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+__all__ = [
+    "NULL_BLOCK_ID",
+    "BindingStatus",
+    "BlendChunk",
+    "BlendMatchRequest",
+    "BlendMatchResponse",
+    "CacheOpResult",
+    "ChunkSizeResponse",
+    "CudaIpcTensor",
+    "EndSessionsRequest",
+    "EndSessionsResponse",
+    "GroupInfo",
+    "HealthResponse",
+    "LayerInfo",
+    "LookupItem",
+    "LookupRequest",
+    "LookupResponse",
+    "LookupResult",
+    "NegotiateRequest",
+    "NegotiateResponse",
+    "Problem",
+    "RegisterRequest",
+    "RegisterResponse",
+    "RetrieveRequest",
+    "RetrieveResponse",
+    "RetrieveResult",
+    "ShmTensor",
+    "StoreRequest",
+    "StoreResponse",
+    "StoreResult",
+    "TensorDescriptor",
+    "TokenSpan",
+    "TransferItem",
+]
+
+NULL_BLOCK_ID = 0
+"""vLLM's null block: a block id that holds no data."""
+
+BindingStatus = Literal["done", "pending", "failed", "disabled"]
+
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class Problem(BaseModel):
+    """Problem-style error body (RFC 9457 shape) used by every error reply."""
+
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={
+            "examples": [
+                {
+                    "type": "urn:mpcache:problem:incompatible-alignment",
+                    "title": "Incompatible chunk alignment",
+                    "status": 409,
+                    "detail": "This server's chunk size is 288 tokens, which is not a "
+                    "multiple of the required alignment 64. Use a separate mpcache "
+                    "server for this model.",
+                    "chunk_size": 288,
+                    "required_alignment": 64,
+                }
+            ]
+        },
+    )
+
+    type: str = Field(description="URN naming the kind of problem.")
+    title: str = Field(description="Short, fixed summary of the kind of problem.")
+    status: int = Field(description="The HTTP status code.")
+    detail: str = Field(description="What went wrong and what to do about it.")
+
+
+# ---------------------------------------------------------------- negotiation/health
+
+
+class NegotiateRequest(_Body):
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "required_alignment": 96,
+                    "model": "meta-llama/Llama-3.1-8B",
+                    "role": "scheduler",
+                    "instance_id": "engine-0",
+                }
+            ]
+        },
+    )
+
+    required_alignment: PositiveInt = Field(
+        description="lcm of the token spans of every cacheable KV cache group."
+    )
+    model: str = Field("", max_length=512, description="Model identity, for logs.")
+    role: Literal["scheduler", "worker"] | None = Field(None, description="Caller role.")
+    instance_id: str = Field("", max_length=256, description="Caller identity, for logs.")
+
+
+class NegotiateResponse(_Body):
+    model_config = ConfigDict(
+        frozen=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "chunk_size": 288,
+                    "min_chunk_size": 256,
+                    "required_alignment": 96,
+                    "boot_id": "5f0c3c1e9a2b4d7e8f10a2b3c4d5e6f7",
+                }
+            ]
+        },
+    )
+
+    chunk_size: int = Field(description="The server's final chunk size, in tokens.")
+    min_chunk_size: int = Field(description="The configured minimum (--chunk-size).")
+    required_alignment: int = Field(description="The alignment this request asked for.")
+    boot_id: str = Field(description="Identity of this server process start.")
+
+
+class ChunkSizeResponse(_Body):
+    model_config = ConfigDict(
+        frozen=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "chunk_size": 288,
+                    "final": True,
+                    "min_chunk_size": 256,
+                    "max_chunk_size": 1048576,
+                    "alignments": [96, 48],
+                    "bindings": {
+                        "token_hasher": "done",
+                        "session_manager": "done",
+                        "blend_matcher": "disabled",
+                        "telemetry": "done",
+                        "coordinator": "done",
+                    },
+                }
+            ]
+        },
+    )
+
+    chunk_size: int | None = Field(description="Selected size; null until selected.")
+    final: bool = Field(description="True once every binding has succeeded.")
+    min_chunk_size: int
+    max_chunk_size: int
+    alignments: list[int] = Field(description="Alignments accepted so far, in order.")
+    bindings: dict[str, BindingStatus] = Field(description="Binding name -> status.")
+
+
+class HealthResponse(_Body):
+    model_config = ConfigDict(
+        frozen=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "status": "ok",
+                    "boot_id": "5f0c3c1e9a2b4d7e8f10a2b3c4d5e6f7",
+                    "chunk_size": 288,
+                    "final": True,
+                    "uptime_s": 12.5,
+                    "sessions": 3,
+                    "registrations": 2,
+                    "version": "0.1.0",
+                }
+            ]
+        },
+    )
+
+    status: Literal["ok"]
+    boot_id: str = Field(description="New for every server process start.")
+    chunk_size: int | None
+    final: bool
+    uptime_s: float
+    sessions: int = Field(description="Live cache sessions.")
+    registrations: int = Field(description="Registered worker KV caches.")
+    version: str
+
+
+# ---------------------------------------------------------------------- registration
+
+
+class GroupInfo(_Body):
+    group_id: NonNegativeInt
+    kind: Literal["attention", "sliding_window", "recurrent"]
+    token_span: PositiveInt = Field(description="Tokens covered by one block of the group.")
+
+
+class ShmTensor(_Body):
+    """A CPU tensor inside a POSIX shared-memory segment (zero copy)."""
+
+    transport: Literal["shm"] = "shm"
+    segment: str = Field(
+        min_length=1,
+        max_length=200,
+        description="POSIX shm name, with the server's prefix, e.g. 'mpcache-w-…'.",
+    )
+    offset_bytes: NonNegativeInt = Field(description="Byte offset of element 0.")
+    shape: list[PositiveInt] = Field(min_length=1, max_length=8)
+    stride: list[NonNegativeInt] = Field(description="Strides in elements.")
+    dtype: str = Field(description="torch dtype name, e.g. 'bfloat16'.")
+    block_dim: NonNegativeInt = Field(description="Dimension that indexes blocks.")
+
+
+class CudaIpcTensor(_Body):
+    """A GPU tensor shared by CUDA IPC (see dataplane's CUDA IPC note)."""
+
+    transport: Literal["cuda_ipc"] = "cuda_ipc"
+    device_uuid: str = Field(description="GPU UUID (not its ordinal).")
+    handle_b64: str = Field(description="cudaIpcMemHandle of the storage, base64.")
+    storage_size_bytes: PositiveInt
+    storage_offset_bytes: NonNegativeInt
+    ref_counter_handle_b64: str
+    ref_counter_offset: NonNegativeInt
+    event_handle_b64: str
+    event_sync_required: bool
+    tensor_offset: NonNegativeInt = Field(description="Tensor offset, in elements.")
+    shape: list[PositiveInt] = Field(min_length=1, max_length=8)
+    stride: list[NonNegativeInt]
+    dtype: str
+    block_dim: NonNegativeInt
+
+
+TensorDescriptor = Annotated[ShmTensor | CudaIpcTensor, Field(discriminator="transport")]
+
+
+class LayerInfo(_Body):
+    name: str = Field(min_length=1, max_length=256)
+    group_id: NonNegativeInt
+    tensors: list[TensorDescriptor] = Field(min_length=1, max_length=4)
+
+
+class RegisterRequest(_Body):
+    instance_id: str = Field(min_length=1, max_length=256)
+    rank: NonNegativeInt
+    world_size: PositiveInt = 1
+    chunk_size: PositiveInt = Field(description="The worker's negotiated chunk size.")
+    namespace: str = Field(min_length=1, max_length=512)
+    groups: list[GroupInfo] = Field(min_length=1)
+    layers: list[LayerInfo] = Field(min_length=1)
+
+
+class RegisterResponse(_Body):
+    instance_id: str
+    rank: int
+    chunk_size: int
+    num_layers: int
+    chunk_bytes: int = Field(description="Bytes one chunk of this registration occupies.")
+    refreshed: bool = Field(description="True when this replaced an earlier registration.")
+
+
+# ----------------------------------------------------------------- cache operations
+
+
+class TokenSpan(_Body):
+    """Token ids, as a JSON list or as base64 of little-endian int32 (compact)."""
+
+    tokens: list[StrictInt] | None = None
+    tokens_b64: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> TokenSpan:
+        if (self.tokens is None) == (self.tokens_b64 is None):
+            raise ValueError("give exactly one of 'tokens' or 'tokens_b64'")
+        return self
+
+    def token_array(self) -> np.ndarray:
+        """The tokens as an int32 numpy array (raises ValueError if malformed)."""
+        if self.tokens is not None:
+            return np.asarray(self.tokens, dtype=np.int64).astype(np.int32)
+        raw = base64.b64decode(self.tokens_b64 or "", validate=True)
+        if len(raw) % 4:
+            raise ValueError("tokens_b64 must decode to a whole number of int32 values")
+        return np.frombuffer(raw, dtype="<i4")
+
+
+class LookupItem(TokenSpan):
+    request_id: str = Field(min_length=1, max_length=256)
+    namespace: str = Field(min_length=1, max_length=512)
+    cache_salt: str | None = Field(None, max_length=256)
+    world_size: PositiveInt = Field(1, description="A chunk hits only if every rank has it.")
+
+
+class LookupRequest(_Body):
+    requests: list[LookupItem] = Field(max_length=4096)
+
+
+class LookupResult(_Body):
+    request_id: str
+    hit_tokens: int = Field(description="Leading tokens cached, whole chunks only.")
+
+
+class LookupResponse(_Body):
+    results: list[LookupResult]
+
+
+class TransferItem(TokenSpan):
+    """One request's chunks to store or retrieve, by token range and block ids."""
+
+    request_id: str = Field(min_length=1, max_length=256)
+    namespace: str = Field(min_length=1, max_length=512)
+    cache_salt: str | None = Field(None, max_length=256)
+    start_token: NonNegativeInt = Field(description="First token; a chunk boundary.")
+    end_token: NonNegativeInt = Field(description="End (exclusive); partial chunk ignored.")
+    block_ids: list[list[StrictInt]] = Field(description="Per group, the request's blocks.")
+
+
+class StoreRequest(_Body):
+    instance_id: str = Field(min_length=1, max_length=256)
+    rank: NonNegativeInt
+    requests: list[TransferItem] = Field(max_length=4096)
+
+
+class StoreResult(_Body):
+    request_id: str
+    stored_chunks: int = Field(description="Chunks copied into the cache.")
+    present_chunks: int = Field(description="Chunks already cached, not copied again.")
+    failed_chunks: int = Field(description="Chunks not stored (pool full, bad block).")
+
+
+class StoreResponse(_Body):
+    results: list[StoreResult]
+
+
+class RetrieveRequest(_Body):
+    instance_id: str = Field(min_length=1, max_length=256)
+    rank: NonNegativeInt
+    requests: list[TransferItem] = Field(max_length=4096)
+
+
+class RetrieveResult(_Body):
+    request_id: str
+    loaded_tokens: int = Field(description="Tokens loaded, contiguous from start_token.")
+    failed_block_ids: list[int] = Field(description="Blocks not loaded: recompute them.")
+
+
+class RetrieveResponse(_Body):
+    results: list[RetrieveResult]
+
+
+CacheOpResult = LookupResult | StoreResult | RetrieveResult
+
+
+class EndSessionsRequest(_Body):
+    request_ids: list[str] = Field(max_length=65536)
+
+
+class EndSessionsResponse(_Body):
+    ended: int
+
+
+class BlendMatchRequest(TokenSpan):
+    namespace: str = Field(min_length=1, max_length=512)
+    cache_salt: str | None = Field(None, max_length=256)
+
+
+class BlendChunk(_Body):
+    index: int
+    start_token: int
+    cached: bool
+
+
+class BlendMatchResponse(_Body):
+    chunk_size: int
+    chunks: list[BlendChunk]

@@ -1,0 +1,1 @@
+"""Data plane: the shared-memory cache pool, registered KV caches, copy kernels."""
