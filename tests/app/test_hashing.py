@@ -1,0 +1,101 @@
+"""Token hasher: a deterministic, namespaced prefix chain over whole chunks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from app.errors import NotNegotiated
+from app.hashing import KEY_BYTES, TokenHasher
+from tests.support import ROOT
+
+
+def hasher(size: int = 4) -> TokenHasher:
+    h = TokenHasher()
+    h.bind(size)
+    return h
+
+
+def test_unbound_hasher_refuses() -> None:
+    with pytest.raises(NotNegotiated):
+        TokenHasher().prefix_keys("ns", None, [1, 2, 3])
+
+
+def test_whole_chunks_only_and_prefix_property() -> None:
+    h = hasher(4)
+    tokens = list(range(11))
+    keys = h.prefix_keys("ns", None, tokens)
+    assert len(keys) == 2 and all(len(k) == KEY_BYTES for k in keys)
+    assert h.prefix_keys("ns", None, tokens[:8]) == keys
+    assert h.prefix_keys("ns", None, tokens[:3]) == []
+    # Changing an early token changes every later key (it names the whole prefix).
+    other = h.prefix_keys("ns", None, [99, *tokens[1:]])
+    assert other[0] != keys[0] and other[1] != keys[1]
+    # Changing a later chunk keeps the earlier key.
+    tail = h.prefix_keys("ns", None, [*tokens[:4], 99, *tokens[5:]])
+    assert tail[0] == keys[0] and tail[1] != keys[1]
+
+
+@pytest.mark.parametrize(
+    ("namespace", "salt", "size"),
+    [
+        pytest.param("other-model", None, 4, id="namespace"),
+        pytest.param("ns", "tenant-a", 4, id="salt"),
+        pytest.param("ns", "", 4, id="empty-salt-is-not-none"),
+        pytest.param("ns", None, 2, id="chunk-size"),
+    ],
+)
+def test_keys_are_namespaced(namespace: str, salt: str | None, size: int) -> None:
+    tokens = list(range(8))
+    base = hasher(4).prefix_keys("ns", None, tokens)
+    assert hasher(size).prefix_keys(namespace, salt, tokens)[0] != base[0]
+
+
+def test_known_prefix_is_reused_not_rehashed() -> None:
+    h = hasher(4)
+    tokens = np.arange(40, dtype=np.int32)
+    full = h.prefix_keys("ns", None, tokens)
+    assert h.prefix_keys("ns", None, tokens, known=full[:3]) == full
+    bogus = [b"\x00" * KEY_BYTES] * 3
+    # Known keys are trusted: callers only pass keys of the same prefix.
+    assert h.prefix_keys("ns", None, tokens, known=bogus)[:3] == bogus
+
+
+def test_json_list_and_int32_array_agree() -> None:
+    h = hasher(4)
+    assert h.prefix_keys("ns", None, [1, 2, 3, 4]) == h.prefix_keys(
+        "ns", None, np.array([1, 2, 3, 4], dtype=np.int64)
+    )
+
+
+def test_content_keys_are_position_independent() -> None:
+    h = hasher(4)
+    a = h.content_keys("ns", None, [1, 2, 3, 4, 5, 6, 7, 8])
+    b = h.content_keys("ns", None, [5, 6, 7, 8, 1, 2, 3, 4, 9])
+    assert a == [b[1], b[0]]
+    assert h.prefix_keys("ns", None, [1, 2, 3, 4])[0] not in a
+
+
+def test_deterministic_across_processes() -> None:
+    code = (
+        "from app.hashing import TokenHasher\n"
+        "h = TokenHasher(); h.bind(4)\n"
+        "print(','.join(k.hex() for k in h.prefix_keys('ns', 's', list(range(12)))))\n"
+    )
+    outputs = set()
+    for seed in ("0", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        outputs.add(out.stdout.strip())
+    assert outputs == {",".join(k.hex() for k in hasher(4).prefix_keys("ns", "s", list(range(12))))}

@@ -1,0 +1,103 @@
+"""Session manager: TTL, key caching, release of leases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from app.errors import NotNegotiated
+from app.hashing import TokenHasher
+from app.sessions import Session, SessionManager
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CountingHasher(TokenHasher):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hashed_chunks = 0
+
+    def prefix_keys(self, namespace, cache_salt, tokens, *, known=()):  # type: ignore[no-untyped-def]
+        keys = super().prefix_keys(namespace, cache_salt, tokens, known=known)
+        self.hashed_chunks += len(keys) - min(len(known), len(keys))
+        return keys
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def hasher() -> CountingHasher:
+    h = CountingHasher()
+    h.bind(4)
+    return h
+
+
+@pytest.fixture
+def manager(hasher: CountingHasher, clock: Clock) -> SessionManager:
+    m = SessionManager(hasher, ttl_s=10.0, clock=clock)
+    m.bind(4)
+    return m
+
+
+def test_unbound_manager_refuses_sessions(hasher: CountingHasher) -> None:
+    with pytest.raises(NotNegotiated, match="negotiate first"):
+        SessionManager(hasher, 10.0).keys_for("r", "ns", None, np.arange(8, dtype=np.int32))
+
+
+def test_bind_must_match_hasher(hasher: CountingHasher) -> None:
+    with pytest.raises(RuntimeError, match="hasher is bound to 4"):
+        SessionManager(hasher, 10.0).bind(8)
+
+
+def test_growing_prompt_is_hashed_once(manager: SessionManager, hasher: CountingHasher) -> None:
+    prompt = np.arange(12, dtype=np.int32)
+    _, keys = manager.keys_for("r", "ns", None, prompt[:8])
+    assert hasher.hashed_chunks == 2
+    _, grown = manager.keys_for("r", "ns", None, prompt)
+    assert grown[:2] == keys and len(grown) == 3
+    assert hasher.hashed_chunks == 3
+    manager.keys_for("r", "ns", None, prompt)
+    assert hasher.hashed_chunks == 3
+
+
+def test_changed_prompt_rehashes_from_divergence(
+    manager: SessionManager, hasher: CountingHasher
+) -> None:
+    prompt = np.arange(12, dtype=np.int32)
+    manager.keys_for("r", "ns", None, prompt)
+    changed = prompt.copy()
+    changed[5] = 999
+    _, keys = manager.keys_for("r", "ns", None, changed)
+    assert keys == hasher.prefix_keys("ns", None, changed)
+    assert hasher.hashed_chunks == 3 + 2 + 3  # two re-hashed here, three by the check
+
+
+def test_ttl_expiry_and_release(manager: SessionManager, clock: Clock) -> None:
+    released: list[str] = []
+    manager.on_release = lambda s: released.append(s.request_id)
+    session, _ = manager.keys_for("a", "ns", None, np.arange(4, dtype=np.int32))
+    session.leases.add(b"k")
+    manager.keys_for("b", "ns", None, np.arange(4, dtype=np.int32))
+    clock.now = 5.0
+    manager.keys_for("b", "ns", None, np.arange(4, dtype=np.int32))
+    clock.now = 11.0
+    assert manager.live_count() == 1  # "a" idle for 11 s, "b" for 6 s
+    assert released == ["a"]
+    assert manager.end(["b", "missing"]) == 1
+    assert manager.live_count() == 0
+
+
+def test_namespace_change_starts_a_new_session(manager: SessionManager) -> None:
+    first, _ = manager.keys_for("r", "ns", None, np.arange(4, dtype=np.int32))
+    second, _ = manager.keys_for("r", "ns2", None, np.arange(4, dtype=np.int32))
+    assert isinstance(second, Session) and second is not first
+    assert manager.live_count() == 1
