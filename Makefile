@@ -17,8 +17,8 @@ test: venv lint
 	MPCACHE_REQUIRE_VLLM=$${MPCACHE_REQUIRE_VLLM:-1} $(PY) -m pytest -q
 
 lint: venv
-	$(PY) -m ruff check app dataplane connector tests bench scripts
-	$(PY) -m ruff format --check app dataplane connector tests bench scripts
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
 openapi: venv
