@@ -29,6 +29,15 @@ def _parser() -> argparse.ArgumentParser:
         "--enable-blend", action="store_true", default=None, help="enable CacheBlend matcher"
     )
     server.add_argument("--log-level", help="uvicorn log level (info)")
+    server.add_argument("--pool-size", help="cache pool size, e.g. 4GiB (1GiB)")
+    server.add_argument("--pool-page-size", help="cache pool page size, e.g. 64KiB (64KiB)")
+    server.add_argument(
+        "--pool-prefault",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="populate the pool's page tables at start (on)",
+    )
+    server.add_argument("--lease-ttl-s", type=float, help="lease on looked-up chunks (30)")
     return parser
 
 
@@ -50,6 +59,14 @@ def parse_settings(argv: Sequence[str]) -> Settings:
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_settings(sys.argv[1:] if argv is None else argv)
+    from app.errors import SharedMemoryExhausted
+    from dataplane.segments import check_free_space, sweep_stale
+
+    try:
+        sweep_stale()  # a crashed server's pool must not count against the check
+        check_free_space(settings.pool_size)
+    except SharedMemoryExhausted as exc:
+        raise SystemExit(f"mpcache: {exc.detail}") from exc
     import uvicorn
 
     from app.main import create_app

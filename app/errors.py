@@ -7,16 +7,20 @@ no web imports so pure modules can raise these too.
 
     MPCacheError                      500  (a bug or an unexpected fault)
     ├── InvalidRequest                422  input that parses but cannot be served
-    │   └── InvalidDescriptor         422  a tensor descriptor failed validation
+    │   ├── InvalidDescriptor         422  a tensor descriptor failed validation
+    │   └── SegmentAccessError        422  a shm segment that cannot be opened or mapped
     ├── NotFound                      404  unknown registration, segment, ...
+    │   └── SegmentNotFound           404  no shm segment of that name
     ├── Conflict                      409
     │   ├── IncompatibleAlignment     409  final size not a multiple of alignment
     │   ├── ResizeAfterSessions       409  a resize once sessions exist
     │   ├── NotNegotiated             409  an operation that needs a final size
-    │   └── ChunkSizeMismatch         409  a registration with another chunk size
+    │   ├── ChunkSizeMismatch         409  a registration with another chunk size
+    │   └── FeatureDisabled           409  e.g. blend matching without --enable-blend
     └── Unavailable                   503  + Retry-After
         ├── BindingFailed             503  a chunk-size binding failed; retry resumes
-        └── PoolExhausted             503  no room in the cache pool
+        ├── PoolExhausted             503  no room in the cache pool
+        └── SharedMemoryExhausted     503  /dev/shm cannot hold a new segment
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ __all__ = [
     "BindingFailed",
     "ChunkSizeMismatch",
     "Conflict",
+    "FeatureDisabled",
     "IncompatibleAlignment",
     "InvalidDescriptor",
     "InvalidRequest",
@@ -35,6 +40,9 @@ __all__ = [
     "NotNegotiated",
     "PoolExhausted",
     "ResizeAfterSessions",
+    "SegmentAccessError",
+    "SegmentNotFound",
+    "SharedMemoryExhausted",
     "Unavailable",
 ]
 
@@ -64,10 +72,20 @@ class InvalidDescriptor(InvalidRequest):
     slug = "invalid-descriptor"
 
 
+class SegmentAccessError(InvalidRequest):
+    title = "Shared-memory segment unusable"
+    slug = "segment-access"
+
+
 class NotFound(MPCacheError):
     status = 404
     title = "Not found"
     slug = "not-found"
+
+
+class SegmentNotFound(NotFound):
+    title = "Shared-memory segment not found"
+    slug = "segment-not-found"
 
 
 class Conflict(MPCacheError):
@@ -96,6 +114,11 @@ class ChunkSizeMismatch(Conflict):
     slug = "chunk-size-mismatch"
 
 
+class FeatureDisabled(Conflict):
+    title = "Feature disabled"
+    slug = "feature-disabled"
+
+
 class Unavailable(MPCacheError):
     status = 503
     title = "Temporarily unavailable"
@@ -114,3 +137,9 @@ class BindingFailed(Unavailable):
 class PoolExhausted(Unavailable):
     title = "Cache pool exhausted"
     slug = "pool-exhausted"
+
+
+class SharedMemoryExhausted(Unavailable):
+    title = "Shared memory exhausted"
+    slug = "shared-memory-exhausted"
+    retry_after_s = 30

@@ -10,7 +10,7 @@ from fastapi import FastAPI
 
 from app import __version__
 from app.problems import install_error_handlers
-from app.routes import control
+from app.routes import cache, control, register
 from app.settings import Settings
 from app.state import build_runtime
 
@@ -51,6 +51,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     install_error_handlers(app)
     app.include_router(control.router)
+    app.include_router(register.router)
+    app.include_router(cache.router)
     return app
 
 

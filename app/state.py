@@ -1,10 +1,13 @@
 """Runtime: every piece of server state, built once by the app's lifespan.
 
-Nothing lives in module globals. ``Runtime.close`` releases what the runtime owns.
+Nothing lives in module globals. ``Runtime.close`` releases what the runtime owns:
+sessions (and their leases), every registered KV-cache mapping, and the pool's
+shared-memory segment (unlinked).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,8 +22,14 @@ from app.negotiation import NegotiationPolicy
 from app.sessions import SessionManager
 from app.settings import Settings
 from app.telemetry import Telemetry
+from dataplane.pool import Pool
+from dataplane.registry import Registry
+from dataplane.segments import POOL_PREFIX, segment_name, sweep_stale
+from dataplane.service import CacheService
 
 __all__ = ["BINDING_ORDER", "Runtime", "build_runtime"]
+
+logger = logging.getLogger(__name__)
 
 BINDING_ORDER = ("token_hasher", "session_manager", "blend_matcher", "telemetry", "coordinator")
 
@@ -37,6 +46,9 @@ class Runtime:
     coordinator: Coordinator
     pipeline: BindingPipeline
     chunk_size: ChunkSizeAuthority
+    pool: Pool
+    registry: Registry
+    cache: CacheService
     closed: bool = field(default=False)
 
     @property
@@ -47,8 +59,12 @@ class Runtime:
         if self.closed:
             return
         self.closed = True
-        self.sessions.close()
-        self.coordinator.leave()
+        try:
+            self.sessions.close()
+            self.registry.close()
+        finally:
+            self.pool.close()
+            self.coordinator.leave()
 
 
 def build_runtime(settings: Settings) -> Runtime:
@@ -79,15 +95,44 @@ def build_runtime(settings: Settings) -> Runtime:
         sessions.live_count,
         telemetry,
     )
-    return Runtime(
-        settings=settings,
-        boot_id=boot_id,
-        started_at=time.monotonic(),
-        hasher=hasher,
-        sessions=sessions,
-        blend=blend,
-        telemetry=telemetry,
-        coordinator=coordinator,
-        pipeline=pipeline,
-        chunk_size=authority,
-    )
+    for name in sweep_stale(POOL_PREFIX):
+        logger.warning("removed the pool %s of a server that is gone", name)
+    pool = Pool.create(segment_name("pool"), settings.pool_size, settings.pool_page_size)
+    try:
+        registry = Registry()
+        cache = CacheService(
+            hasher=hasher,
+            sessions=sessions,
+            blend=blend,
+            telemetry=telemetry,
+            pool=pool,
+            registry=registry,
+            final_size=lambda: authority.final_size,
+            lease_ttl_s=settings.lease_ttl_s,
+        )
+        if settings.pool_prefault:
+            pool.start_prefault()
+        logger.info(
+            "cache pool %s: %d bytes in %d-byte pages",
+            pool.segment.name,
+            pool.capacity_bytes,
+            pool.page_size,
+        )
+        return Runtime(
+            settings=settings,
+            boot_id=boot_id,
+            started_at=time.monotonic(),
+            hasher=hasher,
+            sessions=sessions,
+            blend=blend,
+            telemetry=telemetry,
+            coordinator=coordinator,
+            pipeline=pipeline,
+            chunk_size=authority,
+            pool=pool,
+            registry=registry,
+            cache=cache,
+        )
+    except BaseException:
+        pool.close()
+        raise

@@ -87,7 +87,7 @@ def health(runtime: RuntimeDep) -> HealthResponse:
         final=state.final,
         uptime_s=round(runtime.uptime_s, 3),
         sessions=sessions,
-        registrations=0,
+        registrations=runtime.registry.count(),
         version=__version__,
     )
 

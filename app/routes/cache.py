@@ -1,0 +1,112 @@
+"""Cache operations, batched per engine step: lookup, store, retrieve, end, blend match."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from app.deps import RuntimeDep
+from app.schemas import (
+    BlendMatchRequest,
+    BlendMatchResponse,
+    EndSessionsRequest,
+    EndSessionsResponse,
+    LookupRequest,
+    LookupResponse,
+    Problem,
+    RetrieveRequest,
+    RetrieveResponse,
+    StoreRequest,
+    StoreResponse,
+)
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/cache", tags=["cache"])
+
+_PROBLEM: dict[str, Any] = {"model": Problem, "content": {"application/problem+json": {}}}
+_NOT_NEGOTIATED: dict[int | str, dict[str, Any]] = {
+    409: {**_PROBLEM, "description": "No final chunk size yet"}
+}
+_TRANSFER_ERRORS: dict[int | str, dict[str, Any]] = {
+    **_NOT_NEGOTIATED,
+    404: {**_PROBLEM, "description": "No registration for this instance and rank"},
+    422: {**_PROBLEM, "description": "Malformed request, or an item that cannot be served"},
+}
+
+
+@router.post(
+    "/lookup",
+    response_model=LookupResponse,
+    summary="How many leading tokens are cached",
+    description=(
+        "For each request: the number of leading tokens cached (whole chunks only, "
+        "present for every rank of `world_size`). The hits are leased to the request "
+        "for a short while so the retrieve that follows finds them. Tokens go as a JSON "
+        "list or, more compactly, as `tokens_b64` (little-endian int32)."
+    ),
+    responses={**_NOT_NEGOTIATED, 422: {**_PROBLEM, "description": "Malformed request"}},
+)
+def lookup(body: LookupRequest, runtime: RuntimeDep) -> LookupResponse:
+    return runtime.cache.lookup(body)
+
+
+@router.post(
+    "/store",
+    response_model=StoreResponse,
+    summary="Copy whole chunks from a registered KV cache into the cache",
+    description=(
+        "For each request, the whole chunks in `[start_token, end_token)`: each group's "
+        "blocks (null block ids skipped) are copied into the cache pool. All-or-nothing "
+        "per chunk; a chunk already cached is not copied again (`present_chunks`)."
+    ),
+    responses=_TRANSFER_ERRORS,
+)
+def store(body: StoreRequest, runtime: RuntimeDep) -> StoreResponse:
+    return runtime.cache.store(body)
+
+
+@router.post(
+    "/retrieve",
+    response_model=RetrieveResponse,
+    summary="Copy cached chunks into a registered KV cache",
+    description=(
+        "For each request, cached chunks from `start_token` are copied into the given "
+        "block ids (null ids are never written). `loaded_tokens` counts the tokens "
+        "loaded, contiguous from `start_token`; `failed_block_ids` lists the blocks that "
+        "were not loaded, to be recomputed. A chunk lacking data the caller needs is a "
+        "miss, never partial data."
+    ),
+    responses=_TRANSFER_ERRORS,
+)
+def retrieve(body: RetrieveRequest, runtime: RuntimeDep) -> RetrieveResponse:
+    return runtime.cache.retrieve(body)
+
+
+@router.post(
+    "/end",
+    response_model=EndSessionsResponse,
+    summary="End request sessions",
+    description="Drop the sessions of finished requests and release their leases.",
+)
+def end(body: EndSessionsRequest, runtime: RuntimeDep) -> EndSessionsResponse:
+    return runtime.cache.end(body)
+
+
+@router.post(
+    "/blend/match",
+    response_model=BlendMatchResponse,
+    summary="Which chunks of a token sequence are cached anywhere (CacheBlend)",
+    description=(
+        "Position-independent match: each whole chunk of the tokens is reported cached "
+        "if a chunk with the same tokens (same namespace and salt) is in the cache at "
+        "any position. Needs `--enable-blend`."
+    ),
+    responses={
+        409: {**_PROBLEM, "description": "Blend matcher disabled, or no final chunk size"},
+        422: {**_PROBLEM, "description": "Malformed request"},
+    },
+)
+def blend_match(body: BlendMatchRequest, runtime: RuntimeDep) -> BlendMatchResponse:
+    return runtime.cache.blend_match(body)

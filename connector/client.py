@@ -1,0 +1,263 @@
+"""HTTP control clients for one mpcache server.
+
+``ControlClient`` (blocking ``httpx.Client``) serves calls made on vLLM's threads,
+each with a short timeout; ``AsyncControlClient`` (``httpx.AsyncClient``) serves the
+heartbeat loop. Both take an injectable transport (``httpx.MockTransport``,
+``httpx.ASGITransport``, respx) so tests need no sockets.
+
+Every request body is an ``app.schemas`` model and every reply is validated into
+one, so both ends share one contract. httpx errors and non-2xx replies are
+translated into ``connector.errors`` in exactly one place, ``_translate`` plus
+``_parse_reply``; nothing else in the connector catches httpx exceptions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from app.schemas import (
+    ChunkSizeResponse,
+    EndSessionsRequest,
+    EndSessionsResponse,
+    HealthResponse,
+    LookupRequest,
+    LookupResponse,
+    NegotiateRequest,
+    NegotiateResponse,
+    RegisterRequest,
+    RegisterResponse,
+    RetrieveRequest,
+    RetrieveResponse,
+    StoreRequest,
+    StoreResponse,
+)
+from connector.errors import (
+    ProtocolError,
+    ServerFailure,
+    ServerRejected,
+    ServerTimeout,
+    ServerUnreachable,
+)
+
+__all__ = ["AsyncControlClient", "ControlClient", "TransportFactory"]
+
+TransportFactory = Callable[[str], "httpx.BaseTransport | None"]
+"""Per server URL, the transport its blocking client uses (tests inject fakes)."""
+
+_M = TypeVar("_M", bound=BaseModel)
+
+_HEADERS = {"content-type": "application/json", "accept": "application/json"}
+
+
+@contextlib.contextmanager
+def _translate(url: str) -> Iterator[None]:
+    """The one boundary where httpx exceptions become connector errors."""
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise ServerTimeout(f"{url}: timed out ({type(exc).__name__})", url=url) from exc
+    except httpx.HTTPError as exc:
+        raise ServerUnreachable(f"{url}: {type(exc).__name__}: {exc}", url=url) from exc
+
+
+def _retry_after(reply: httpx.Response) -> float | None:
+    value = reply.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+def _problem(reply: httpx.Response) -> dict[str, Any]:
+    try:
+        body = reply.json()
+    except ValueError:
+        return {"detail": reply.text[:500]}
+    return body if isinstance(body, dict) else {"detail": str(body)[:500]}
+
+
+def _parse_reply(reply: httpx.Response, model: type[_M] | None, url: str) -> _M | None:
+    status = reply.status_code
+    if 200 <= status < 300:
+        if model is None:
+            return None
+        try:
+            return model.model_validate_json(reply.content)
+        except ValidationError as exc:
+            raise ProtocolError(
+                f"{url}: reply does not match {model.__name__}: {exc.error_count()} error(s)",
+                url=url,
+            ) from exc
+    problem = _problem(reply)
+    detail = problem.get("detail") or problem.get("title") or reply.reason_phrase
+    message = f"{url}: HTTP {status}: {detail}"
+    if 400 <= status < 500:
+        raise ServerRejected(message, url=url, status=status, problem=problem)
+    raise ServerFailure(
+        message, url=url, status=status, problem=problem, retry_after_s=_retry_after(reply)
+    )
+
+
+def _dump(body: BaseModel) -> bytes:
+    return body.model_dump_json(exclude_none=True).encode()
+
+
+def _register_path(instance_id: str, rank: int) -> str:
+    return f"/register/{quote(instance_id, safe='')}/{rank}"
+
+
+class ControlClient:
+    """Blocking client; every call is bounded by ``timeout_s`` (or its override)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._http = httpx.Client(
+            base_url=self.base_url, timeout=timeout_s, transport=transport, headers=_HEADERS
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        model: type[_M] | None,
+        body: BaseModel | None = None,
+        timeout_s: float | None = None,
+    ) -> _M | None:
+        url = f"{self.base_url}{path}"
+        with _translate(url):
+            reply = self._http.request(
+                method,
+                path,
+                content=None if body is None else _dump(body),
+                timeout=self.timeout_s if timeout_s is None else timeout_s,
+            )
+        return _parse_reply(reply, model, url)
+
+    def _call_model(
+        self,
+        method: str,
+        path: str,
+        model: type[_M],
+        body: BaseModel | None = None,
+        timeout_s: float | None = None,
+    ) -> _M:
+        result = self._call(method, path, model, body, timeout_s)
+        assert result is not None
+        return result
+
+    def negotiate(
+        self, body: NegotiateRequest, timeout_s: float | None = None
+    ) -> NegotiateResponse:
+        return self._call_model("POST", "/negotiate", NegotiateResponse, body, timeout_s)
+
+    def health(self, timeout_s: float | None = None) -> HealthResponse:
+        return self._call_model("GET", "/health", HealthResponse, None, timeout_s)
+
+    def chunk_size(self, timeout_s: float | None = None) -> ChunkSizeResponse:
+        return self._call_model("GET", "/chunk-size", ChunkSizeResponse, None, timeout_s)
+
+    def register(self, body: RegisterRequest, timeout_s: float | None = None) -> RegisterResponse:
+        return self._call_model("POST", "/register", RegisterResponse, body, timeout_s)
+
+    def unregister(self, instance_id: str, rank: int, timeout_s: float | None = None) -> None:
+        self._call("DELETE", _register_path(instance_id, rank), None, None, timeout_s)
+
+    def lookup(self, body: LookupRequest, timeout_s: float | None = None) -> LookupResponse:
+        return self._call_model("POST", "/cache/lookup", LookupResponse, body, timeout_s)
+
+    def store(self, body: StoreRequest, timeout_s: float | None = None) -> StoreResponse:
+        return self._call_model("POST", "/cache/store", StoreResponse, body, timeout_s)
+
+    def retrieve(self, body: RetrieveRequest, timeout_s: float | None = None) -> RetrieveResponse:
+        return self._call_model("POST", "/cache/retrieve", RetrieveResponse, body, timeout_s)
+
+    def end_sessions(
+        self, body: EndSessionsRequest, timeout_s: float | None = None
+    ) -> EndSessionsResponse:
+        return self._call_model("POST", "/cache/end", EndSessionsResponse, body, timeout_s)
+
+
+class AsyncControlClient:
+    """Async twin of ``ControlClient`` for the heartbeat loop (same contract)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, timeout=timeout_s, transport=transport, headers=_HEADERS
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        model: type[_M] | None,
+        body: BaseModel | None = None,
+        timeout_s: float | None = None,
+    ) -> _M | None:
+        url = f"{self.base_url}{path}"
+        with _translate(url):
+            reply = await self._http.request(
+                method,
+                path,
+                content=None if body is None else _dump(body),
+                timeout=self.timeout_s if timeout_s is None else timeout_s,
+            )
+        return _parse_reply(reply, model, url)
+
+    async def _call_model(
+        self,
+        method: str,
+        path: str,
+        model: type[_M],
+        body: BaseModel | None = None,
+        timeout_s: float | None = None,
+    ) -> _M:
+        result = await self._call(method, path, model, body, timeout_s)
+        assert result is not None
+        return result
+
+    async def negotiate(
+        self, body: NegotiateRequest, timeout_s: float | None = None
+    ) -> NegotiateResponse:
+        return await self._call_model("POST", "/negotiate", NegotiateResponse, body, timeout_s)
+
+    async def health(self, timeout_s: float | None = None) -> HealthResponse:
+        return await self._call_model("GET", "/health", HealthResponse, None, timeout_s)
+
+    async def register(
+        self, body: RegisterRequest, timeout_s: float | None = None
+    ) -> RegisterResponse:
+        return await self._call_model("POST", "/register", RegisterResponse, body, timeout_s)
+
+    async def end_sessions(
+        self, body: EndSessionsRequest, timeout_s: float | None = None
+    ) -> EndSessionsResponse:
+        return await self._call_model("POST", "/cache/end", EndSessionsResponse, body, timeout_s)

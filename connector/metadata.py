@@ -1,0 +1,102 @@
+"""What the scheduler adapter hands to the workers each step (pure, picklable).
+
+vLLM ships the step's connector metadata from the scheduler process to every worker;
+these frozen dataclasses are its payload (``connector.vllm`` wraps a ``StepPlan`` in
+vLLM's ``KVConnectorMetadata``). Tokens travel as base64 little-endian int32
+(``tokens_b64``), the compact form ``app.schemas.TokenSpan`` accepts.
+"""
+
+from __future__ import annotations
+
+import base64
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from app.schemas import NULL_BLOCK_ID, TransferItem
+
+__all__ = ["NULL_BLOCK_ID", "StepPlan", "TokenEncoder", "TransferOp", "encode_tokens"]
+
+_SWAP = sys.byteorder != "little"
+
+
+def encode_tokens(tokens: Sequence[int]) -> str:
+    """Token ids as base64 of little-endian int32."""
+    packed = array("i", tokens)
+    if _SWAP:  # pragma: no cover - big-endian hosts only
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode("ascii")
+
+
+class TokenEncoder:
+    """Incremental ``encode_tokens`` for one request's growing token list.
+
+    A long prompt is encoded once; later steps only pack the tokens they add.
+    """
+
+    __slots__ = ("_packed",)
+
+    def __init__(self) -> None:
+        self._packed = array("i")
+
+    def encode(self, tokens: Sequence[int], end: int) -> str:
+        have = len(self._packed)
+        if end > have:
+            more = array("i", tokens[have:end])
+            if _SWAP:  # pragma: no cover
+                more.byteswap()
+            self._packed.extend(more)
+        return base64.b64encode(memoryview(self._packed)[:end].tobytes()).decode("ascii")
+
+
+@dataclass(frozen=True)
+class TransferOp:
+    """One request's whole chunks ``[start_token, end_token)`` to store or load.
+
+    ``block_ids[i]`` lists the request's blocks from token 0 for the ``i``-th
+    *cacheable* KV cache group (the registration's groups, in ascending vLLM group
+    id); scratch and transfer-disabled groups are not sent. Entries equal to
+    ``NULL_BLOCK_ID`` are not touched by the server.
+    """
+
+    request_id: str
+    start_token: int
+    end_token: int
+    tokens_b64: str
+    block_ids: list[list[int]]
+    cache_salt: str | None = None
+
+    def to_item(self, namespace: str) -> TransferItem:
+        return TransferItem(
+            request_id=self.request_id,
+            namespace=namespace,
+            cache_salt=self.cache_salt,
+            tokens_b64=self.tokens_b64,
+            start_token=self.start_token,
+            end_token=self.end_token,
+            block_ids=self.block_ids,
+        )
+
+    def touched_block_ids(self, spans: Sequence[int]) -> set[int]:
+        """Non-null blocks covering ``[start_token, end_token)`` (for load failures)."""
+        out: set[int] = set()
+        for group_blocks, span in zip(self.block_ids, spans, strict=False):
+            if not group_blocks or span < 1:
+                continue
+            first = self.start_token // span
+            last = -(-self.end_token // span)
+            out.update(b for b in group_blocks[first:last] if b != NULL_BLOCK_ID)
+        return out
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One engine step's cache work: loads before use, stores after the forward."""
+
+    loads: tuple[TransferOp, ...] = ()
+    stores: tuple[TransferOp, ...] = ()
+    ended: tuple[str, ...] = field(default=())
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.stores)

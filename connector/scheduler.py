@@ -1,0 +1,411 @@
+"""Scheduler-side adapter: lookups, load/store planning, session ends.
+
+Runs in vLLM's engine-core process and never imports vLLM: it reads the attributes
+of vLLM's ``Request``, ``KVCacheBlocks`` and ``SchedulerOutput`` (duck typing), so it
+is tested with plain doubles as well as with the real scheduler.
+
+Per request it tracks the block ids of every KV cache group and how far the cache
+already holds the prompt (``stored_upto``, whole chunks). Each step
+``build_connector_meta`` turns that into one ``StepPlan``:
+
+- loads: for requests whose lookup hit beyond vLLM's own prefix cache, the chunks
+  ``[floor(local), hit)``; blocks vLLM already holds (its local hit) are masked with
+  the null block so the server never writes a block other requests may be reading;
+- stores: the whole prompt chunks the step has finished computing.
+
+Loads use vLLM's asynchronous-load protocol (``get_num_new_matched_tokens`` returns
+``load_async=True``): the worker loads during the step and reports the request in
+``finished_recving`` (or failed), which works for single- and multi-group layouts.
+
+Degraded mode (any lookup server unhealthy): lookups report 0 and no stores are
+planned; nothing here raises into vLLM, and every HTTP call has a short timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.schemas import (
+    NULL_BLOCK_ID,
+    EndSessionsRequest,
+    LookupItem,
+    LookupRequest,
+    NegotiateRequest,
+)
+from connector.alignment import KVLayout, check_chunk_size
+from connector.client import AsyncControlClient, ControlClient, TransportFactory
+from connector.config import ConnectorConfig
+from connector.errors import (
+    ConnectorError,
+    RecoveryError,
+    ServerError,
+    ServerRejected,
+    ServerUnreachable,
+)
+from connector.heartbeat import AsyncTransportFactory, Heartbeat
+from connector.metadata import StepPlan, TokenEncoder, TransferOp
+from connector.servers import ServerLink, agree_chunk_size, negotiate_until, ranks_of_server
+
+__all__ = ["SchedulerAdapter"]
+
+logger = logging.getLogger("mpcache.connector")
+
+
+@dataclass
+class _RequestState:
+    request: Any
+    encoder: TokenEncoder = field(default_factory=TokenEncoder)
+    block_ids: list[list[int]] = field(default_factory=list)
+    # Lookup memo for this admission: the answer is reused while vLLM retries.
+    lookup_end: int = -1
+    hit_tokens: int = 0
+    local_tokens: int = 0
+    # Whole chunks the cache is known to hold from token 0.
+    stored_upto: int = 0
+    # (local, end) of a load vLLM accepted, until the plan carries it.
+    pending_load: tuple[int, int] | None = None
+
+
+class SchedulerAdapter:
+    """The scheduler role of the connector (see module docstring)."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        layout: KVLayout,
+        *,
+        model: str,
+        instance_id: str,
+        namespace: str,
+        world_size: int = 1,
+        transport: TransportFactory | None = None,
+        async_transport: AsyncTransportFactory | None = None,
+        start_heartbeat: bool = True,
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.model = model
+        self.instance_id = instance_id
+        self.namespace = namespace
+        self.world_size = world_size
+        self.alignment = layout.required_alignment
+        # Block ids travel for the cacheable groups only, in registration order.
+        self._group_ids = [g.group_id for g in layout.cacheable_groups]
+        self._spans = [g.token_span for g in layout.cacheable_groups]
+        self.links = {
+            url: ServerLink(
+                url,
+                ControlClient(
+                    url,
+                    timeout_s=config.request_timeout_s,
+                    transport=transport(url) if transport else None,
+                ),
+                role="scheduler",
+            )
+            for url in config.server_urls
+        }
+        # Servers that hold some rank's chunks, and how many ranks each holds.
+        self._lookup_ranks = {
+            url: len(ranks)
+            for url, ranks in ranks_of_server(config.server_urls, world_size).items()
+            if ranks
+        }
+        try:
+            self.chunk_size = self._negotiate_all()
+            check_chunk_size(self.chunk_size, layout.spans)
+        except BaseException:
+            self._close_clients()
+            raise
+        self._requests: dict[str, _RequestState] = {}
+        self._loads: dict[str, None] = {}  # ordered set of request ids
+        self._ended: list[str] = []
+        self._warned: set[str] = set()
+        self.heartbeat = Heartbeat(
+            list(self.links.values()),
+            interval_s=config.heartbeat_interval_s,
+            timeout_s=config.heartbeat_timeout_s,
+            recover=self._recover,
+            name="mpcache-heartbeat-scheduler",
+            transport_factory=async_transport,
+        )
+        if start_heartbeat:
+            self.heartbeat.start()
+        logger.info(
+            "mpcache scheduler: chunk size %d (alignment %d; %s) with %s",
+            self.chunk_size,
+            self.alignment,
+            layout.describe(),
+            ", ".join(self.links),
+        )
+
+    # ------------------------------------------------------------ negotiation
+
+    def _negotiate_request(self) -> NegotiateRequest:
+        return NegotiateRequest(
+            required_alignment=self.alignment,
+            model=self.model[:512],
+            role="scheduler",
+            instance_id=self.instance_id[:256],
+        )
+
+    def _negotiate_all(self) -> int:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        answers: dict[str, int | ConnectorError] = {}
+        boots: dict[str, str] = {}
+        for url, link in self.links.items():
+            try:
+                reply = negotiate_until(link.client, self._negotiate_request(), deadline)
+            except ServerError as exc:
+                answers[url] = exc
+                continue
+            answers[url] = reply.chunk_size
+            boots[url] = reply.boot_id
+        size = agree_chunk_size(answers)
+        for url, boot_id in boots.items():
+            self.links[url].mark_healthy(boot_id)
+        return size
+
+    async def _recover(self, link: ServerLink, client: AsyncControlClient) -> str:
+        reply = await client.negotiate(self._negotiate_request())
+        if reply.chunk_size != self.chunk_size:
+            raise RecoveryError(
+                f"after its restart the server answers chunk size {reply.chunk_size} for "
+                f"alignment {self.alignment}, but this engine runs with {self.chunk_size}; "
+                f"restart it with the same --chunk-size"
+            )
+        return reply.boot_id
+
+    # ---------------------------------------------------------------- health
+
+    @property
+    def available(self) -> bool:
+        """True when every server holding chunks of some rank is healthy."""
+        return all(self.links[url].healthy for url in self._lookup_ranks)
+
+    def _call_failed(self, link: ServerLink, what: str, exc: ServerError) -> None:
+        """A call on vLLM's thread failed: suspect the server, let the heartbeat judge."""
+        if isinstance(exc, ServerUnreachable) or (
+            isinstance(exc, ServerRejected) and exc.status in (404, 409)
+        ):
+            link.mark_unhealthy(f"{what} failed: {exc}")
+            self.heartbeat.wake()
+            return
+        key = f"{what}:{type(exc).__name__}"
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("mpcache %s on %s failed (reported once): %s", what, link.url, exc)
+
+    # ---------------------------------------------------------------- lookups
+
+    def _state(self, request: Any) -> _RequestState:
+        st = self._requests.get(request.request_id)
+        if st is None or st.request is not request:
+            st = _RequestState(request=request)
+            self._requests[request.request_id] = st
+        return st
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` the cache can load (whole chunks).
+
+        The last prompt token is never counted (vLLM must compute it to sample). The
+        answer for a request is memoised until vLLM allocates for it, so repeated
+        calls are cheap and consistent.
+        """
+        if not self.available:
+            return 0, False
+        tokens = request.all_token_ids
+        chunk = self.chunk_size
+        lookup_end = (len(tokens) - 1) // chunk * chunk
+        if lookup_end <= num_computed_tokens:
+            return 0, False
+        st = self._state(request)
+        if st.lookup_end != lookup_end:
+            st.hit_tokens = self._lookup(st, lookup_end)
+            st.lookup_end = lookup_end
+        st.local_tokens = num_computed_tokens
+        need = max(0, st.hit_tokens - num_computed_tokens)
+        return need, need > 0
+
+    def _lookup(self, st: _RequestState, lookup_end: int) -> int:
+        request = st.request
+        tokens_b64 = st.encoder.encode(request.all_token_ids, lookup_end)
+        hit = lookup_end
+        for url, ranks in self._lookup_ranks.items():
+            link = self.links[url]
+            body = LookupRequest(
+                requests=[
+                    LookupItem(
+                        request_id=request.request_id,
+                        namespace=self.namespace,
+                        cache_salt=getattr(request, "cache_salt", None),
+                        tokens_b64=tokens_b64,
+                        world_size=ranks,
+                    )
+                ]
+            )
+            try:
+                reply = link.client.lookup(body, timeout_s=self.config.lookup_timeout_s)
+            except ServerError as exc:
+                self._call_failed(link, "lookup", exc)
+                return 0
+            answer = reply.results[0].hit_tokens if reply.results else 0
+            hit = min(hit, answer)
+        return max(0, hit // self.chunk_size * self.chunk_size)
+
+    # ------------------------------------------------------------- allocation
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        st = self._state(request)
+        st.block_ids = [list(ids) for ids in blocks.get_block_ids()]
+        if st.lookup_end < 0:
+            return  # a second call after an async load, or no lookup this admission
+        st.stored_upto = max(st.stored_upto, st.hit_tokens)
+        if num_external_tokens > 0:
+            st.pending_load = (st.local_tokens, st.local_tokens + num_external_tokens)
+            self._loads[request.request_id] = None
+        st.lookup_end = -1
+
+    # ---------------------------------------------------------------- planning
+
+    def _blocks_upto(self, st: _RequestState, end: int) -> list[list[int]]:
+        out: list[list[int]] = []
+        for group_id, span in zip(self._group_ids, self._spans, strict=True):
+            ids = st.block_ids[group_id] if group_id < len(st.block_ids) else []
+            out.append(ids[: -(-end // span)])
+        return out
+
+    def _load_op(self, st: _RequestState, local: int, end: int) -> TransferOp | None:
+        chunk = self.chunk_size
+        start = local // chunk * chunk
+        load_end = min(-(-end // chunk) * chunk, st.hit_tokens)
+        if load_end <= start:
+            return None
+        block_ids = self._blocks_upto(st, load_end)
+        for ids, span in zip(block_ids, self._spans, strict=True):
+            for j in range(len(ids)):
+                # vLLM's own blocks (local hit) and blocks vLLM computes itself are
+                # never written: another request may be reading them.
+                if (j + 1) * span <= local or j * span >= end:
+                    ids[j] = NULL_BLOCK_ID
+        return TransferOp(
+            request_id=st.request.request_id,
+            start_token=start,
+            end_token=load_end,
+            tokens_b64=st.encoder.encode(st.request.all_token_ids, load_end),
+            block_ids=block_ids,
+            cache_salt=getattr(st.request, "cache_salt", None),
+        )
+
+    def _store_op(self, st: _RequestState, computed: int) -> TransferOp | None:
+        chunk = self.chunk_size
+        limit = min(computed, int(st.request.num_prompt_tokens))
+        end = limit // chunk * chunk
+        if end <= st.stored_upto:
+            return None
+        start = st.stored_upto
+        st.stored_upto = end
+        return TransferOp(
+            request_id=st.request.request_id,
+            start_token=start,
+            end_token=end,
+            tokens_b64=st.encoder.encode(st.request.all_token_ids, end),
+            block_ids=self._blocks_upto(st, end),
+            cache_salt=getattr(st.request, "cache_salt", None),
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
+        """This step's loads and stores; resets the per-step state."""
+        loads: list[TransferOp] = []
+        for request_id in self._loads:
+            st = self._requests.get(request_id)
+            if st is None or st.pending_load is None:
+                continue
+            op = self._load_op(st, *st.pending_load)
+            st.pending_load = None
+            if op is not None:
+                loads.append(op)
+        self._loads.clear()
+
+        stores: list[TransferOp] = []
+        store = self.available
+        scheduled: Mapping[str, int] = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._requests.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = [list(ids) for ids in new.block_ids]
+            if store:
+                op = self._store_op(st, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+                if op is not None:
+                    stores.append(op)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
+        for i, request_id in enumerate(cached.req_ids):
+            st = self._requests.get(request_id)
+            if st is None:
+                continue
+            new_ids: Sequence[list[int]] | None = cached.new_block_ids[i]
+            if new_ids is not None:
+                if request_id in resumed or not st.block_ids:
+                    st.block_ids = [list(ids) for ids in new_ids]
+                else:
+                    for g, ids in enumerate(new_ids):
+                        st.block_ids[g].extend(ids)
+            if store:
+                computed = cached.num_computed_tokens[i] + scheduled.get(request_id, 0)
+                op = self._store_op(st, computed)
+                if op is not None:
+                    stores.append(op)
+
+        ended = tuple(self._ended)
+        self._ended.clear()
+        if ended:
+            self._send_end(ended)
+        return StepPlan(loads=tuple(loads), stores=tuple(stores), ended=ended)
+
+    # --------------------------------------------------------------- finishing
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; its server sessions end with the next step's plan.
+
+        Stores complete within the step that computed them, so vLLM may free the
+        blocks at once (never delays the free).
+        """
+        request_id = request.request_id
+        self._requests.pop(request_id, None)
+        self._loads.pop(request_id, None)
+        self._ended.append(request_id)
+        return False, None
+
+    def _send_end(self, request_ids: Sequence[str]) -> None:
+        body = EndSessionsRequest(request_ids=list(request_ids))
+
+        async def job(clients: Mapping[str, AsyncControlClient]) -> None:
+            for client in clients.values():
+                await client.end_sessions(body)
+
+        self.heartbeat.submit(job)
+
+    def shutdown(self) -> None:
+        """End outstanding sessions (bounded), stop the heartbeat, close clients."""
+        if self._ended:
+            body = EndSessionsRequest(request_ids=list(self._ended))
+            self._ended.clear()
+            for link in self.links.values():
+                if link.healthy:
+                    try:
+                        link.client.end_sessions(body)
+                    except ServerError as exc:
+                        logger.debug("mpcache end of sessions on %s failed: %s", link.url, exc)
+        self.heartbeat.stop()
+        self._close_clients()
+
+    def _close_clients(self) -> None:
+        for link in self.links.values():
+            link.client.close()

@@ -1,0 +1,158 @@
+"""One adapter's view of its mpcache server(s): negotiation and health state.
+
+``ServerLink`` pairs a server's blocking client with the health this adapter
+believes it has. It is shared by vLLM's thread (reads ``healthy``; marks the
+server suspect when a call fails) and the heartbeat thread (pings, recovers,
+marks healthy), so transitions take a lock and each one is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from app.schemas import NegotiateRequest, NegotiateResponse
+from connector.client import ControlClient
+from connector.errors import (
+    ConnectorError,
+    ServerError,
+    ServerRejected,
+    StartupError,
+)
+
+__all__ = [
+    "ServerLink",
+    "agree_chunk_size",
+    "negotiate_until",
+    "ranks_of_server",
+    "server_for_rank",
+]
+
+logger = logging.getLogger("mpcache.connector")
+
+
+class ServerLink:
+    """A server URL, its blocking client, and this adapter's view of its health."""
+
+    def __init__(self, url: str, client: ControlClient, *, role: str) -> None:
+        self.url = url
+        self.client = client
+        self.role = role
+        self._lock = threading.Lock()
+        self._healthy = False
+        self._boot_id: str | None = None
+        self._last_failure: str | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    @property
+    def boot_id(self) -> str | None:
+        return self._boot_id
+
+    def mark_healthy(self, boot_id: str, *, recovered: bool = False) -> None:
+        with self._lock:
+            was = self._healthy
+            self._healthy = True
+            self._boot_id = boot_id
+            self._last_failure = None
+        if not was and recovered:
+            logger.warning(
+                "mpcache %s: server %s is healthy again (boot_id %s); cache enabled",
+                self.role,
+                self.url,
+                boot_id,
+            )
+
+    def mark_unhealthy(self, reason: str) -> None:
+        """Enter degraded mode for this server (logged on the transition only)."""
+        with self._lock:
+            was = self._healthy
+            self._healthy = False
+        if was:
+            logger.warning(
+                "mpcache %s: server %s unhealthy (%s); degraded mode: lookups 0, "
+                "stores skipped, loads recomputed",
+                self.role,
+                self.url,
+                reason,
+            )
+
+    def note_recovery_failure(self, reason: str) -> None:
+        """Record a failed recovery; logged when the reason changes, not every ping."""
+        with self._lock:
+            repeat = reason == self._last_failure
+            self._last_failure = reason
+        if not repeat:
+            logger.error(
+                "mpcache %s: cannot re-join server %s: %s; staying degraded, retrying "
+                "after the next successful heartbeat",
+                self.role,
+                self.url,
+                reason,
+            )
+
+
+def negotiate_until(
+    client: ControlClient,
+    request: NegotiateRequest,
+    deadline_s: float,
+    *,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> NegotiateResponse:
+    """Negotiate, retrying unreachable/5xx answers until ``deadline_s`` (monotonic).
+
+    A 4xx is final: the server understood and refused (e.g. incompatible alignment).
+    """
+    delay = 0.05
+    while True:
+        try:
+            return client.negotiate(request)
+        except ServerRejected:
+            raise
+        except ServerError as exc:
+            retry_after = getattr(exc, "retry_after_s", None) or delay
+            if clock() + retry_after > deadline_s:
+                raise
+            sleep(retry_after)
+            delay = min(delay * 2, 1.0)
+
+
+def agree_chunk_size(answers: Mapping[str, int | ConnectorError]) -> int:
+    """The one chunk size every server returned, else ``StartupError`` naming each."""
+    sizes = {v for v in answers.values() if isinstance(v, int)}
+    failed = any(not isinstance(v, int) for v in answers.values())
+    if len(sizes) == 1 and not failed:
+        return sizes.pop()
+    lines = []
+    for url, answer in answers.items():
+        what = f"chunk size {answer}" if isinstance(answer, int) else f"error: {answer}"
+        lines.append(f"  {url} -> {what}")
+    if failed:
+        head = "chunk-size negotiation failed"
+    else:
+        head = "mpcache servers disagree on the chunk size; every server must return the same size"
+    raise StartupError(
+        f"{head} (give every server the same --chunk-size, or use one server per model):\n"
+        + "\n".join(lines)
+    )
+
+
+def ranks_of_server(urls: Sequence[str], world_size: int) -> dict[str, list[int]]:
+    """Contiguous blocks of ranks per server (one server per node, in node order)."""
+    per_server = -(-world_size // len(urls))
+    owned: dict[str, list[int]] = {url: [] for url in urls}
+    for rank in range(world_size):
+        owned[urls[rank // per_server]].append(rank)
+    return owned
+
+
+def server_for_rank(urls: Sequence[str], rank: int, world_size: int) -> str:
+    """The server a worker of ``rank`` uses (see ``ranks_of_server``)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world size {world_size}")
+    return urls[rank // -(-world_size // len(urls))]

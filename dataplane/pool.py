@@ -1,0 +1,406 @@
+"""The server's cache (L1): one shared-memory segment cut into fixed-size pages.
+
+An entry is one chunk of one rank, keyed ``(chunk key, rank)``. It occupies
+``ceil(nbytes / page_size)`` contiguous pages, so every copy into or out of it
+works on one contiguous byte range.
+
+Visibility (all-or-nothing): ``begin_store`` reserves pages for a *pending* entry
+that no reader can see; the caller copies the bytes in without holding the pool's
+lock, then ``commit`` makes the entry visible in one step (or ``abort`` frees it).
+A second store of a key that is pending or cached is told it is ``PRESENT``.
+
+Eviction: least recently used first, never an entry that is pinned (a retrieve is
+copying out of it) or leased (a lookup promised it to a request). Pinned entries
+that are replaced stay readable until unpinned, so no reader sees a torn chunk.
+
+Leases are held per holder (a request id) with a deadline, so a lease that its
+session never released (a crashed client) lapses on its own.
+
+Thread-safe: one lock guards the index; copies run outside it. Callbacks
+(``on_drop``) are called after the lock is released.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import torch
+
+from dataplane.segments import Segment
+
+__all__ = ["PRESENT", "Entry", "PageAllocator", "Pool", "PoolStats"]
+
+logger = logging.getLogger(__name__)
+
+PRESENT: Final = "present"
+
+DropReason = Literal["evicted", "replaced", "closed"]
+
+
+class PageAllocator:
+    """First-fit allocator of contiguous page runs over ``num_pages`` pages (pure)."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.num_pages = num_pages
+        # Free runs as parallel sorted lists: start page -> run length.
+        self._starts: list[int] = [0]
+        self._lengths: list[int] = [num_pages]
+        self.free_pages = num_pages
+
+    def alloc(self, n: int) -> int | None:
+        """Start page of a free run of ``n`` pages, or None if there is none."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        for i, length in enumerate(self._lengths):
+            if length >= n:
+                start = self._starts[i]
+                if length == n:
+                    del self._starts[i], self._lengths[i]
+                else:
+                    self._starts[i] += n
+                    self._lengths[i] -= n
+                self.free_pages -= n
+                return start
+        return None
+
+    def free(self, start: int, n: int) -> None:
+        i = bisect.bisect_left(self._starts, start)
+        if (i < len(self._starts) and self._starts[i] < start + n) or (
+            i > 0 and self._starts[i - 1] + self._lengths[i - 1] > start
+        ):
+            raise ValueError(f"double free of pages [{start}, {start + n})")
+        self._starts.insert(i, start)
+        self._lengths.insert(i, n)
+        self.free_pages += n
+        # Coalesce with the next run, then with the previous one.
+        if i + 1 < len(self._starts) and start + n == self._starts[i + 1]:
+            self._lengths[i] += self._lengths[i + 1]
+            del self._starts[i + 1], self._lengths[i + 1]
+        if i > 0 and self._starts[i - 1] + self._lengths[i - 1] == start:
+            self._lengths[i - 1] += self._lengths[i]
+            del self._starts[i], self._lengths[i]
+
+    def largest_run(self) -> int:
+        return max(self._lengths, default=0)
+
+
+@dataclass(eq=False)
+class Entry:
+    """One chunk of one rank in the pool. Mutable fields are guarded by the pool."""
+
+    key: bytes
+    rank: int
+    layout: bytes
+    present: int
+    content_key: bytes | None
+    first_page: int
+    num_pages: int
+    nbytes: int
+    offset_bytes: int
+    ready: bool = False
+    live: bool = True
+    pins: int = 0
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    capacity_bytes: int
+    used_bytes: int
+    entries: int
+    pending: int
+    leased_keys: int
+
+
+DropHook = Callable[[Sequence[Entry], DropReason], None]
+
+
+class Pool:
+    """The L1 cache over one owned ``Segment`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        segment: Segment,
+        page_size: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_drop: DropHook | None = None,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        num_pages = segment.size_bytes // page_size
+        if num_pages < 1:
+            raise ValueError(f"a pool of {segment.size_bytes} bytes has no {page_size}-byte page")
+        self.segment = segment
+        self.page_size = page_size
+        self.capacity_bytes = num_pages * page_size
+        self._bytes: torch.Tensor | None = torch.frombuffer(
+            segment.buffer, dtype=torch.uint8, count=self.capacity_bytes
+        )
+        self._alloc = PageAllocator(num_pages)
+        self._index: dict[tuple[bytes, int], Entry] = {}
+        self._pending: dict[tuple[bytes, int], Entry] = {}
+        self._lru: OrderedDict[tuple[bytes, int], Entry] = OrderedDict()
+        self._leases: dict[bytes, dict[str, float]] = {}
+        self._held: dict[str, set[bytes]] = {}
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.on_drop = on_drop
+        self._prefault_stop = threading.Event()
+        self._prefault_thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def create(cls, name: str, size_bytes: int, page_size: int, **kwargs: object) -> Pool:
+        """Create the pool's segment (owned: unlinked by ``close``) and the pool on it."""
+        size_bytes = size_bytes // page_size * page_size
+        segment = Segment.create(name, size_bytes)
+        try:
+            return cls(segment, page_size, **kwargs)  # type: ignore[arg-type]
+        except BaseException:
+            segment.close()
+            raise
+
+    def start_prefault(self) -> None:
+        """Populate the pool's page tables in a background thread (stopped by ``close``)."""
+        base = self._bytes
+        if base is None or self._prefault_thread is not None:
+            return
+        address = base.data_ptr()
+        self._prefault_thread = threading.Thread(
+            target=self.segment.prefault,
+            args=(address, self._prefault_stop),
+            name="mpcache-pool-prefault",
+            daemon=True,
+        )
+        self._prefault_thread.start()
+
+    def close(self) -> None:
+        """Drop every entry, unmap and unlink the pool's segment. Idempotent."""
+        self._prefault_stop.set()
+        if self._prefault_thread is not None:
+            self._prefault_thread.join()
+        with self._lock:
+            if self._bytes is None:
+                return
+            dropped = list(self._index.values())
+            self._index.clear()
+            self._lru.clear()
+            self._pending.clear()
+            self._leases.clear()
+            self._held.clear()
+            self._bytes = None
+        self.segment.close()
+        self._notify(dropped, "closed")
+
+    # ------------------------------------------------------------------ reads
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            return PoolStats(
+                capacity_bytes=self.capacity_bytes,
+                used_bytes=(self._alloc.num_pages - self._alloc.free_pages) * self.page_size,
+                entries=len(self._index),
+                pending=len(self._pending),
+                leased_keys=len(self._leases),
+            )
+
+    def view(self, entry: Entry) -> torch.Tensor:
+        """The entry's bytes as a uint8 tensor (valid while it is pending or pinned)."""
+        base = self._bytes
+        if base is None:
+            raise RuntimeError("the pool is closed")
+        return base[entry.offset_bytes : entry.offset_bytes + entry.nbytes]
+
+    def lookup(
+        self,
+        keys: Sequence[bytes],
+        world_size: int,
+        *,
+        holder: str | None = None,
+        lease_ttl_s: float = 0.0,
+    ) -> int:
+        """Number of leading ``keys`` cached for every rank in ``range(world_size)``.
+
+        Hits are marked recently used; with a ``holder`` they are also leased for
+        ``lease_ttl_s`` seconds (until then they are not evicted).
+        """
+        with self._lock:
+            hits = 0
+            for key in keys:
+                entries = [self._index.get((key, rank)) for rank in range(world_size)]
+                if any(e is None for e in entries):
+                    break
+                for rank in range(world_size):
+                    self._lru.move_to_end((key, rank))
+                hits += 1
+            if holder is not None and lease_ttl_s > 0 and hits:
+                deadline = self._clock() + lease_ttl_s
+                held = self._held.setdefault(holder, set())
+                for key in keys[:hits]:
+                    self._leases.setdefault(key, {})[holder] = deadline
+                    held.add(key)
+            return hits
+
+    def release_leases(self, holder: str) -> None:
+        with self._lock:
+            for key in self._held.pop(holder, ()):
+                holders = self._leases.get(key)
+                if holders is not None:
+                    holders.pop(holder, None)
+                    if not holders:
+                        del self._leases[key]
+
+    def pin(self, key: bytes, rank: int, layout: bytes, needed: int) -> Entry | None:
+        """Pin a visible entry with this layout holding every slot in ``needed``.
+
+        A pinned entry is never evicted or overwritten; ``unpin`` it when done.
+        """
+        with self._lock:
+            entry = self._index.get((key, rank))
+            if entry is None or entry.layout != layout or needed & ~entry.present:
+                return None
+            entry.pins += 1
+            self._lru.move_to_end((key, rank))
+            return entry
+
+    def unpin(self, entry: Entry) -> None:
+        with self._lock:
+            entry.pins -= 1
+            if entry.pins == 0 and not entry.live:
+                self._alloc.free(entry.first_page, entry.num_pages)
+
+    # ------------------------------------------------------------------ stores
+
+    def begin_store(
+        self,
+        key: bytes,
+        rank: int,
+        *,
+        nbytes: int,
+        layout: bytes,
+        present: int,
+        content_key: bytes | None = None,
+    ) -> Entry | Literal["present"] | None:
+        """Reserve a pending entry, or say the chunk is ``PRESENT``, or None if no room.
+
+        A cached entry of the same layout is replaced only when the new store holds
+        strictly more slots (e.g. a sliding-window block it lacked); otherwise the
+        first writer wins.
+        """
+        if nbytes < 1:
+            raise ValueError(f"nbytes must be >= 1, got {nbytes}")
+        num_pages = -(-nbytes // self.page_size)
+        ident = (key, rank)
+        evicted: list[Entry] = []
+        entry: Entry | None = None
+        with self._lock:
+            if self._bytes is None:
+                return None
+            if ident in self._pending:
+                return PRESENT
+            current = self._index.get(ident)
+            if current is not None and (current.layout != layout or not present & ~current.present):
+                self._lru.move_to_end(ident)
+                return PRESENT
+            first_page = self._alloc.alloc(num_pages)
+            if first_page is None and num_pages <= self._alloc.num_pages:
+                first_page = self._evict_for(num_pages, evicted)
+            if first_page is not None:
+                entry = Entry(
+                    key=key,
+                    rank=rank,
+                    layout=layout,
+                    present=present,
+                    content_key=content_key,
+                    first_page=first_page,
+                    num_pages=num_pages,
+                    nbytes=nbytes,
+                    offset_bytes=first_page * self.page_size,
+                )
+                self._pending[ident] = entry
+        self._notify(evicted, "evicted")
+        return entry
+
+    def commit(self, entry: Entry) -> None:
+        """Make a pending entry visible (its bytes must be fully written)."""
+        ident = (entry.key, entry.rank)
+        replaced: list[Entry] = []
+        with self._lock:
+            if self._pending.get(ident) is not entry:
+                raise RuntimeError("commit of an entry that is not pending")
+            del self._pending[ident]
+            old = self._index.get(ident)
+            if old is not None:
+                self._detach(old)
+                replaced.append(old)
+            entry.ready = True
+            self._index[ident] = entry
+            self._lru[ident] = entry
+        self._notify(replaced, "replaced")
+
+    def abort(self, entry: Entry) -> None:
+        """Forget a pending entry whose bytes could not be written."""
+        with self._lock:
+            if self._pending.get((entry.key, entry.rank)) is entry:
+                del self._pending[(entry.key, entry.rank)]
+                entry.live = False
+                if self._bytes is not None:
+                    self._alloc.free(entry.first_page, entry.num_pages)
+
+    # ------------------------------------------------------------------ internals
+
+    def _leased(self, key: bytes, now: float) -> bool:
+        holders = self._leases.get(key)
+        if not holders:
+            return False
+        for holder, deadline in list(holders.items()):
+            if deadline <= now:
+                del holders[holder]
+                held = self._held.get(holder)
+                if held is not None:
+                    held.discard(key)
+                    if not held:
+                        del self._held[holder]
+        if not holders:
+            del self._leases[key]
+            return False
+        return True
+
+    def _detach(self, entry: Entry) -> None:
+        ident = (entry.key, entry.rank)
+        self._index.pop(ident, None)
+        self._lru.pop(ident, None)
+        entry.live = False
+        if entry.pins == 0:
+            self._alloc.free(entry.first_page, entry.num_pages)
+
+    def _evict_for(self, num_pages: int, evicted: list[Entry]) -> int | None:
+        """Evict LRU entries until ``num_pages`` contiguous pages are free."""
+        now = self._clock()
+        for ident in list(self._lru):
+            entry = self._lru[ident]
+            if entry.pins or self._leased(entry.key, now):
+                continue
+            self._detach(entry)
+            evicted.append(entry)
+            start = self._alloc.alloc(num_pages)
+            if start is not None:
+                return start
+        return None
+
+    def _notify(self, entries: Sequence[Entry], reason: DropReason) -> None:
+        if entries and self.on_drop is not None:
+            try:
+                self.on_drop(entries, reason)
+            except Exception:
+                logger.exception("pool drop hook failed (%s)", reason)

@@ -1,0 +1,396 @@
+"""Cache operations: register, lookup, store, retrieve, end, blend match.
+
+``CacheService`` is what the routes call. It ties the per-request sessions (chunk
+keys, leases), the pool, the registry and the copy kernels together, and keeps
+the telemetry and the CacheBlend index in step with the pool.
+
+Semantics (``app.schemas`` has the wire shapes):
+
+- Every operation needs a final chunk size (409 ``NotNegotiated`` before that).
+- A chunk is identified by its prefix key and a rank. ``lookup`` counts a chunk
+  only if every rank in ``range(world_size)`` has it, stops at the first miss, and
+  leases the hits to the request (released at end of session, on session expiry,
+  or after ``lease_ttl_s``).
+- ``store`` copies whole chunks in ``[start_token, end_token)`` (clamped to the
+  tokens given; a partial trailing chunk is ignored). Per chunk all-or-nothing; a
+  chunk already cached is reported ``present`` and not copied. When the pool has
+  no room the chunk and the rest of that request fail (a later chunk is useless
+  without its prefix).
+- ``retrieve`` loads chunks from ``start_token`` while each one is cached with the
+  caller's layout *and* holds every block the caller needs (its non-null block
+  ids); ``loaded_tokens`` counts those; every non-null block of the chunks after
+  that, up to the last whole chunk, is listed in ``failed_block_ids``.
+- Store and retrieve items must use their registration's namespace, start on a
+  chunk boundary, carry one block-id list per registered group (in registration
+  order) and only block ids the registered tensors hold; otherwise the whole call
+  is refused with 422 before anything is copied. Positions past the end of a
+  block-id list read as null.
+
+Lock order: the session manager's lock, then the pool's (``on_release`` runs
+under the former and takes the latter); the pool never calls back into sessions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from app.blend import BlendMatcher
+from app.errors import ChunkSizeMismatch, FeatureDisabled, InvalidRequest, NotNegotiated
+from app.hashing import TokenHasher
+from app.schemas import (
+    BlendChunk,
+    BlendMatchRequest,
+    BlendMatchResponse,
+    EndSessionsRequest,
+    EndSessionsResponse,
+    LookupRequest,
+    LookupResponse,
+    LookupResult,
+    RegisterRequest,
+    RegisterResponse,
+    RetrieveRequest,
+    RetrieveResponse,
+    RetrieveResult,
+    StoreRequest,
+    StoreResponse,
+    StoreResult,
+    TokenSpan,
+    TransferItem,
+)
+from app.sessions import Session, SessionManager
+from app.telemetry import Telemetry
+from dataplane.layout import chunk_block_ids, slot_mask
+from dataplane.pool import PRESENT, DropReason, Entry, Pool
+from dataplane.registry import Registration, Registry, build_registration
+from dataplane.transfer import gather_chunk, scatter_chunk
+
+__all__ = ["CacheService"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Item:
+    """A validated store/retrieve item."""
+
+    item: TransferItem
+    tokens: np.ndarray
+    block_ids: tuple[np.ndarray, ...]
+
+
+class CacheService:
+    def __init__(
+        self,
+        *,
+        hasher: TokenHasher,
+        sessions: SessionManager,
+        blend: BlendMatcher,
+        telemetry: Telemetry,
+        pool: Pool,
+        registry: Registry,
+        final_size: Callable[[], int | None],
+        lease_ttl_s: float,
+    ) -> None:
+        self._hasher = hasher
+        self._sessions = sessions
+        self._blend = blend
+        self._telemetry = telemetry
+        self.pool = pool
+        self.registry = registry
+        self._final_size = final_size
+        self._lease_ttl_s = lease_ttl_s
+        sessions.on_release = self._on_session_release
+        pool.on_drop = self._on_pool_drop
+        telemetry.pool_capacity_bytes.set(pool.capacity_bytes)
+        telemetry.pool_used_bytes.set(0)
+
+    # ------------------------------------------------------------------ hooks
+
+    def _on_session_release(self, session: Session) -> None:
+        self.pool.release_leases(session.request_id)
+
+    def _on_pool_drop(self, entries: Sequence[Entry], reason: DropReason) -> None:
+        if reason == "evicted":
+            self._telemetry.chunks_evicted.inc(len(entries))
+        if self._blend.enabled:
+            for entry in entries:
+                if entry.content_key is not None:
+                    self._blend.discard(entry.content_key)
+
+    def _update_pool_gauges(self) -> None:
+        self._telemetry.pool_used_bytes.set(self.pool.stats().used_bytes)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _size(self) -> int:
+        size = self._final_size()
+        if size is None:
+            raise NotNegotiated("no chunk size is final yet; negotiate first (POST /negotiate)")
+        return size
+
+    @staticmethod
+    def _tokens(span: TokenSpan, request_id: str) -> np.ndarray:
+        try:
+            return span.token_array()
+        except ValueError as exc:
+            raise InvalidRequest(
+                f"request {request_id!r}: bad tokens: {exc}", request_id=request_id
+            ) from exc
+
+    def _check_items(
+        self, reg: Registration, items: Sequence[TransferItem], size: int
+    ) -> list[_Item]:
+        checked = []
+        num_groups = len(reg.layout.groups)
+        for item in items:
+            rid = item.request_id
+            if item.namespace != reg.namespace:
+                raise InvalidRequest(
+                    f"request {rid!r}: namespace {item.namespace!r} differs from the "
+                    f"registration's {reg.namespace!r}",
+                    request_id=rid,
+                )
+            if item.start_token % size:
+                raise InvalidRequest(
+                    f"request {rid!r}: start_token {item.start_token} is not a multiple "
+                    f"of the chunk size {size}",
+                    request_id=rid,
+                )
+            if item.end_token < item.start_token:
+                raise InvalidRequest(
+                    f"request {rid!r}: end_token {item.end_token} is before start_token "
+                    f"{item.start_token}",
+                    request_id=rid,
+                )
+            if len(item.block_ids) != num_groups:
+                raise InvalidRequest(
+                    f"request {rid!r}: {len(item.block_ids)} block-id lists for "
+                    f"{num_groups} registered groups",
+                    request_id=rid,
+                )
+            arrays = []
+            for g, ids in enumerate(item.block_ids):
+                arr = np.asarray(ids, dtype=np.int64)
+                limit = reg.group_num_blocks[g]
+                if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= limit):
+                    raise InvalidRequest(
+                        f"request {rid!r}: group {reg.layout.groups[g].group_id} block ids "
+                        f"must lie in [0, {limit})",
+                        request_id=rid,
+                    )
+                arrays.append(arr)
+            checked.append(_Item(item, self._tokens(item, rid), tuple(arrays)))
+        return checked
+
+    def _chunk_range(self, it: _Item, keys: Sequence[bytes], size: int) -> range:
+        end = min(it.item.end_token, len(it.tokens))
+        return range(it.item.start_token // size, min(end // size, len(keys)))
+
+    @staticmethod
+    def _chunk_ids(reg: Registration, it: _Item, chunk: int) -> list[np.ndarray]:
+        return [
+            chunk_block_ids(ids, chunk, n)
+            for ids, n in zip(it.block_ids, reg.layout.blocks_per_chunk, strict=True)
+        ]
+
+    # ------------------------------------------------------------------ registration
+
+    def register(self, req: RegisterRequest) -> RegisterResponse:
+        size = self._final_size()
+        if size is None:
+            raise NotNegotiated(
+                "this server has no final chunk size yet; negotiate (POST /negotiate) "
+                "before registering KV caches"
+            )
+        if req.chunk_size != size:
+            raise ChunkSizeMismatch(
+                f"the registration carries chunk size {req.chunk_size} but this server's "
+                f"chunk size is {size}; re-negotiate and register with {size}",
+                chunk_size=size,
+                requested_chunk_size=req.chunk_size,
+            )
+        reg = build_registration(req)
+        refreshed = self.registry.add(reg)
+        self._telemetry.registrations.set(self.registry.count())
+        logger.info(
+            "%s instance %r rank %d: %d tensors, %d bytes per chunk",
+            "refreshed" if refreshed else "registered",
+            req.instance_id,
+            req.rank,
+            len(reg.layout.tensors),
+            reg.chunk_bytes,
+        )
+        return RegisterResponse(
+            instance_id=req.instance_id,
+            rank=req.rank,
+            chunk_size=size,
+            num_layers=len(req.layers),
+            chunk_bytes=reg.chunk_bytes,
+            refreshed=refreshed,
+        )
+
+    def unregister(self, instance_id: str, rank: int) -> bool:
+        removed = self.registry.remove(instance_id, rank)
+        self._telemetry.registrations.set(self.registry.count())
+        return removed
+
+    # ------------------------------------------------------------------ cache ops
+
+    def lookup(self, req: LookupRequest) -> LookupResponse:
+        size = self._size()
+        results = []
+        for item in req.requests:
+            tokens = self._tokens(item, item.request_id)
+            session, keys = self._sessions.keys_for(
+                item.request_id, item.namespace, item.cache_salt, tokens
+            )
+            hits = self.pool.lookup(
+                keys,
+                item.world_size,
+                holder=item.request_id,
+                lease_ttl_s=self._lease_ttl_s,
+            )
+            if hits and self._lease_ttl_s > 0:
+                session.leases.update(keys[:hits])
+            self._telemetry.chunks_hit.inc(hits)
+            self._telemetry.chunks_missed.inc(len(keys) - hits)
+            results.append(LookupResult(request_id=item.request_id, hit_tokens=hits * size))
+        return LookupResponse(results=results)
+
+    def store(self, req: StoreRequest) -> StoreResponse:
+        size = self._size()
+        with self.registry.acquire(req.instance_id, req.rank) as reg:
+            items = self._check_items(reg, req.requests, size)
+            results = [self._store_item(reg, it, size) for it in items]
+        self._update_pool_gauges()
+        return StoreResponse(results=results)
+
+    def _store_item(self, reg: Registration, it: _Item, size: int) -> StoreResult:
+        item = it.item
+        _, keys = self._sessions.keys_for(
+            item.request_id, item.namespace, item.cache_salt, it.tokens
+        )
+        stored = present = failed = 0
+        copied = 0
+        chunks = self._chunk_range(it, keys, size)
+        for chunk in chunks:
+            ids = self._chunk_ids(reg, it, chunk)
+            mask = slot_mask(ids)
+            content_key = None
+            if self._blend.enabled:
+                chunk_tokens = it.tokens[chunk * size : (chunk + 1) * size]
+                content_key = self._hasher.content_keys(
+                    item.namespace, item.cache_salt, chunk_tokens
+                )[0]
+            entry = self.pool.begin_store(
+                keys[chunk],
+                reg.rank,
+                # A chunk with no data (every block null) is recorded, not copied.
+                nbytes=reg.chunk_bytes if mask else 1,
+                layout=reg.layout.signature,
+                present=mask,
+                content_key=content_key,
+            )
+            if entry == PRESENT:
+                present += 1
+                continue
+            if entry is None:
+                failed = chunks.stop - chunk
+                logger.debug("pool full: %d chunk(s) of %r not stored", failed, item.request_id)
+                break
+            assert isinstance(entry, Entry)
+            try:
+                if mask:
+                    copied += gather_chunk(reg.plans, ids, self.pool.view(entry))
+            except BaseException:
+                self.pool.abort(entry)
+                raise
+            self.pool.commit(entry)
+            if content_key is not None:
+                self._blend.add(content_key)
+            stored += 1
+        self._telemetry.chunks_stored.inc(stored)
+        self._telemetry.bytes_copied.labels("store").inc(copied)
+        return StoreResult(
+            request_id=item.request_id,
+            stored_chunks=stored,
+            present_chunks=present,
+            failed_chunks=failed,
+        )
+
+    def retrieve(self, req: RetrieveRequest) -> RetrieveResponse:
+        size = self._size()
+        with self.registry.acquire(req.instance_id, req.rank) as reg:
+            items = self._check_items(reg, req.requests, size)
+            results = [self._retrieve_item(reg, it, size) for it in items]
+        return RetrieveResponse(results=results)
+
+    def _retrieve_item(self, reg: Registration, it: _Item, size: int) -> RetrieveResult:
+        item = it.item
+        _, keys = self._sessions.keys_for(
+            item.request_id, item.namespace, item.cache_salt, it.tokens
+        )
+        chunks = self._chunk_range(it, keys, size)
+        pinned: list[tuple[list[np.ndarray], Entry]] = []
+        for chunk in chunks:
+            ids = self._chunk_ids(reg, it, chunk)
+            entry = self.pool.pin(keys[chunk], reg.rank, reg.layout.signature, slot_mask(ids))
+            if entry is None:
+                break
+            pinned.append((ids, entry))
+        loaded = 0
+        copied = 0
+        try:
+            for ids, entry in pinned:
+                try:
+                    copied += scatter_chunk(reg.plans, ids, self.pool.view(entry))
+                except Exception:
+                    logger.exception("retrieve of %r failed at a chunk", item.request_id)
+                    break
+                loaded += 1
+        finally:
+            for _, entry in pinned:
+                self.pool.unpin(entry)
+        failed: list[int] = []
+        seen: set[int] = set()
+        for chunk in chunks[loaded:]:
+            for group_ids in self._chunk_ids(reg, it, chunk):
+                for block in group_ids[group_ids != 0].tolist():
+                    if block not in seen:
+                        seen.add(block)
+                        failed.append(block)
+        self._telemetry.bytes_copied.labels("retrieve").inc(copied)
+        return RetrieveResult(
+            request_id=item.request_id,
+            loaded_tokens=loaded * size,
+            failed_block_ids=failed,
+        )
+
+    def end(self, req: EndSessionsRequest) -> EndSessionsResponse:
+        ended = self._sessions.end(req.request_ids)
+        for rid in req.request_ids:
+            # Also drops a lease taken while the session was ending.
+            self.pool.release_leases(rid)
+        return EndSessionsResponse(ended=ended)
+
+    def blend_match(self, req: BlendMatchRequest) -> BlendMatchResponse:
+        if not self._blend.enabled:
+            raise FeatureDisabled(
+                "the CacheBlend matcher is disabled; start the server with --enable-blend "
+                "(MPCACHE_ENABLE_BLEND=1)"
+            )
+        size = self._size()
+        tokens = self._tokens(req, "blend")
+        keys = self._hasher.content_keys(req.namespace, req.cache_salt, tokens)
+        cached = self._blend.match(keys)
+        return BlendMatchResponse(
+            chunk_size=size,
+            chunks=[
+                BlendChunk(index=i, start_token=i * size, cached=hit)
+                for i, hit in enumerate(cached)
+            ],
+        )

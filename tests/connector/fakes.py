@@ -1,0 +1,270 @@
+"""An in-memory mpcache server double and doubles of vLLM's scheduler objects.
+
+``FakeServer`` speaks the wire contract (``app.schemas``) through
+``httpx.MockTransport`` for both the blocking and the async client, keeps chunks as
+prefix keys per (namespace, rank), and can be taken down or "restarted" (new
+boot_id, forgotten state, optionally another minimum chunk size).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from app.schemas import (
+    EndSessionsRequest,
+    LookupRequest,
+    NegotiateRequest,
+    RegisterRequest,
+    RetrieveRequest,
+    StoreRequest,
+    TokenSpan,
+)
+
+
+def _problem(status: int, detail: str, **extra: Any) -> httpx.Response:
+    body = {"type": "urn:test", "title": "t", "status": status, "detail": detail, **extra}
+    return httpx.Response(status, json=body)
+
+
+class FakeServer:
+    def __init__(self, url: str = "http://fake:8000", min_chunk_size: int = 256) -> None:
+        self.url = url
+        self.min_chunk_size = min_chunk_size
+        self.lock = threading.Lock()
+        self.up = True
+        self.calls: list[tuple[str, str, Any]] = []
+        self.fail_next: dict[str, httpx.Response] = {}
+        self._boot()
+
+    def _boot(self) -> None:
+        self.boot_id = uuid.uuid4().hex
+        self.chunk_size: int | None = None
+        self.chunks: set[tuple[str, int, bytes]] = set()
+        self.registrations: dict[tuple[str, int], RegisterRequest] = {}
+        self.ended: list[str] = []
+
+    def restart(self, min_chunk_size: int | None = None) -> None:
+        with self.lock:
+            if min_chunk_size is not None:
+                self.min_chunk_size = min_chunk_size
+            self._boot()
+
+    # --------------------------------------------------------------- transports
+
+    def transport(self, url: str = "") -> httpx.MockTransport:
+        return httpx.MockTransport(self.handle)
+
+    def paths(self) -> list[str]:
+        with self.lock:
+            return [f"{m} {p}" for m, p, _ in self.calls]
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        with self.lock:
+            if not self.up:
+                raise httpx.ConnectError("connection refused", request=request)
+            path = request.url.path
+            body = json.loads(request.content) if request.content else None
+            self.calls.append((request.method, path, body))
+            injected = self.fail_next.pop(path, None)
+            if injected is not None:
+                return injected
+            return self._route(request.method, path, body)
+
+    def _route(self, method: str, path: str, body: Any) -> httpx.Response:
+        if path == "/health":
+            return httpx.Response(
+                200,
+                json={
+                    "status": "ok",
+                    "boot_id": self.boot_id,
+                    "chunk_size": self.chunk_size,
+                    "final": self.chunk_size is not None,
+                    "uptime_s": 1.0,
+                    "sessions": 0,
+                    "registrations": len(self.registrations),
+                    "version": "fake",
+                },
+            )
+        if path == "/negotiate":
+            req = NegotiateRequest.model_validate(body)
+            a = req.required_alignment
+            if self.chunk_size is None:
+                self.chunk_size = -(-self.min_chunk_size // a) * a
+            elif self.chunk_size % a:
+                return _problem(409, f"chunk size {self.chunk_size} not a multiple of {a}")
+            return httpx.Response(
+                200,
+                json={
+                    "chunk_size": self.chunk_size,
+                    "min_chunk_size": self.min_chunk_size,
+                    "required_alignment": a,
+                    "boot_id": self.boot_id,
+                },
+            )
+        if self.chunk_size is None:
+            return _problem(409, "not negotiated")
+        if path == "/register" and method == "POST":
+            reg = RegisterRequest.model_validate(body)
+            if reg.chunk_size != self.chunk_size:
+                return _problem(409, "chunk size mismatch")
+            key = (reg.instance_id, reg.rank)
+            refreshed = key in self.registrations
+            self.registrations[key] = reg
+            return httpx.Response(
+                200,
+                json={
+                    "instance_id": reg.instance_id,
+                    "rank": reg.rank,
+                    "chunk_size": reg.chunk_size,
+                    "num_layers": len(reg.layers),
+                    "chunk_bytes": 1,
+                    "refreshed": refreshed,
+                },
+            )
+        if path.startswith("/register/") and method == "DELETE":
+            _, _, instance_id, rank = path.split("/")
+            if self.registrations.pop((instance_id, int(rank)), None) is None:
+                return _problem(404, "unknown registration")
+            return httpx.Response(204)
+        if path == "/cache/lookup":
+            lreq = LookupRequest.model_validate(body)
+            results = []
+            for item in lreq.requests:
+                keys = self._keys(item)
+                hit = 0
+                for key in keys:
+                    ranks = range(item.world_size)
+                    if all((item.namespace, r, key) in self.chunks for r in ranks):
+                        hit += self.chunk_size
+                    else:
+                        break
+                results.append({"request_id": item.request_id, "hit_tokens": hit})
+            return httpx.Response(200, json={"results": results})
+        if path == "/cache/store":
+            sreq = StoreRequest.model_validate(body)
+            out = []
+            for t in sreq.requests:
+                keys = self._keys(t)
+                stored = present = 0
+                last = min(t.end_token // self.chunk_size, len(keys))
+                for i in range(t.start_token // self.chunk_size, last):
+                    k = (t.namespace, sreq.rank, keys[i])
+                    if k in self.chunks:
+                        present += 1
+                    else:
+                        self.chunks.add(k)
+                        stored += 1
+                out.append(
+                    {
+                        "request_id": t.request_id,
+                        "stored_chunks": stored,
+                        "present_chunks": present,
+                        "failed_chunks": 0,
+                    }
+                )
+            return httpx.Response(200, json={"results": out})
+        if path == "/cache/retrieve":
+            rreq = RetrieveRequest.model_validate(body)
+            reg_of = self.registrations.get((rreq.instance_id, rreq.rank))
+            if reg_of is None:
+                return _problem(404, "unknown registration")
+            spans = [g.token_span for g in reg_of.groups]
+            size = self.chunk_size
+            out = []
+            for t in rreq.requests:
+                keys = self._keys(t)
+                last = min(t.end_token // size, len(keys))
+                chunk = t.start_token // size
+                while chunk < last and (t.namespace, rreq.rank, keys[chunk]) in self.chunks:
+                    chunk += 1
+                loaded = (chunk - t.start_token // size) * size
+                failed: set[int] = set()
+                for ids, span in zip(t.block_ids, spans, strict=True):
+                    lo, hi = chunk * size // span, last * size // span
+                    failed.update(b for b in ids[lo:hi] if b)
+                out.append(
+                    {
+                        "request_id": t.request_id,
+                        "loaded_tokens": loaded,
+                        "failed_block_ids": sorted(failed),
+                    }
+                )
+            return httpx.Response(200, json={"results": out})
+        if path == "/cache/end":
+            ereq = EndSessionsRequest.model_validate(body)
+            self.ended.extend(ereq.request_ids)
+            return httpx.Response(200, json={"ended": len(ereq.request_ids)})
+        return _problem(404, f"no route {method} {path}")
+
+    def _keys(self, span: TokenSpan) -> list[bytes]:
+        assert self.chunk_size is not None
+        tokens = span.token_array()
+        n = len(tokens) // self.chunk_size
+        return [tokens[: (i + 1) * self.chunk_size].tobytes() for i in range(n)]
+
+
+# ---------------------------------------------------------------- vLLM doubles
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int = -1
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.all_token_ids)
+
+
+@dataclass
+class FakeBlocks:
+    ids: tuple[list[int], ...]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return self.ids
+
+
+@dataclass
+class NewReq:
+    req_id: str
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedReqs:
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepOutput:
+    scheduled_new_reqs: list[NewReq] = field(default_factory=list)
+    scheduled_cached_reqs: CachedReqs = field(default_factory=CachedReqs)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AttnSpec:
+    """A KV cache spec double (attention, DCP-sharded like vLLM's AttentionSpec)."""
+
+    block_size: int
+    dcp_sharded: bool = True
+    prefix_cacheable: bool = True
+
+
+@dataclass
+class Group:
+    kv_cache_spec: Any
+    layer_names: list[str] = field(default_factory=list)
+    enable_kv_transfer: bool = True

@@ -1,0 +1,195 @@
+"""Pure helpers: token packing, plans, namespaces, rank placement, retries, CUDA IPC."""
+
+from __future__ import annotations
+
+import base64
+import pickle
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from app.schemas import CudaIpcTensor, TransferItem
+from connector import cuda_ipc
+from connector.alignment import layout_from_groups
+from connector.client import ControlClient
+from connector.errors import ServerFailure, ServerRejected, StartupError
+from connector.identity import namespace_for
+from connector.metadata import StepPlan, TokenEncoder, TransferOp, encode_tokens
+from connector.servers import (
+    agree_chunk_size,
+    negotiate_until,
+    ranks_of_server,
+    server_for_rank,
+)
+from tests.connector.fakes import AttnSpec, FakeServer, Group
+
+
+def _decode(b64: str) -> list[int]:
+    return np.frombuffer(base64.b64decode(b64), dtype="<i4").tolist()
+
+
+def test_encode_tokens_is_little_endian_int32() -> None:
+    tokens = [0, 1, 255, 256, 2**31 - 1]
+    assert _decode(encode_tokens(tokens)) == tokens
+    assert (
+        TransferItem(
+            request_id="r",
+            namespace="n",
+            tokens_b64=encode_tokens(tokens),
+            start_token=0,
+            end_token=5,
+            block_ids=[[]],
+        )
+        .token_array()
+        .tolist()
+        == tokens
+    )
+
+
+def test_token_encoder_grows_incrementally() -> None:
+    tokens = list(range(100))
+    enc = TokenEncoder()
+    assert _decode(enc.encode(tokens, 10)) == tokens[:10]
+    tokens.extend(range(100, 120))
+    assert _decode(enc.encode(tokens, 120)) == tokens
+    assert _decode(enc.encode(tokens, 64)) == tokens[:64]
+
+
+def test_plan_pickles_and_touched_blocks() -> None:
+    blocks = [[1, 2, 0, 4, 5, 6, 7, 8], [9, 10, 11]]
+    op = TransferOp("r", 64, 128, encode_tokens(range(128)), blocks)
+    plan = StepPlan(loads=(op,), stores=(), ended=("x",))
+    assert pickle.loads(pickle.dumps(plan)) == plan
+    assert bool(plan) and not bool(StepPlan())
+    # group 0 span 16: blocks 4..7 cover [64, 128); group 1 span 64: block 1
+    assert op.touched_block_ids([16, 64]) == {5, 6, 7, 8, 10}
+
+
+def test_namespace_is_stable_and_layout_sensitive() -> None:
+    a = layout_from_groups([Group(AttnSpec(16), ["l0"])])
+    b = layout_from_groups([Group(AttnSpec(32), ["l0"])])
+    assert namespace_for("m", a, 1) == namespace_for("m", a, 1)
+    assert len({namespace_for("m", a, 1), namespace_for("m", b, 1), namespace_for("m", a, 2)}) == 3
+    assert len(namespace_for("x" * 600, a, 1)) < 512
+
+
+@pytest.mark.parametrize(
+    ("urls", "world", "expected"),
+    [
+        pytest.param(("a",), 4, {"a": [0, 1, 2, 3]}, id="one-server"),
+        pytest.param(("a", "b"), 4, {"a": [0, 1], "b": [2, 3]}, id="two-nodes"),
+        pytest.param(("a", "b"), 1, {"a": [0], "b": []}, id="fewer-ranks"),
+        pytest.param(("a", "b", "c"), 8, {"a": [0, 1, 2], "b": [3, 4, 5], "c": [6, 7]}, id="3x"),
+    ],
+)
+def test_rank_placement(urls: tuple[str, ...], world: int, expected: dict[str, list[int]]) -> None:
+    assert ranks_of_server(urls, world) == expected
+    for url, ranks in expected.items():
+        assert all(server_for_rank(urls, r, world) == url for r in ranks)
+    with pytest.raises(ValueError):
+        server_for_rank(urls, world, world)
+
+
+def test_agree_chunk_size() -> None:
+    assert agree_chunk_size({"a": 288, "b": 288}) == 288
+    with pytest.raises(StartupError, match=r"a -> chunk size 288\n  b -> chunk size 576"):
+        agree_chunk_size({"a": 288, "b": 576})
+
+
+def test_negotiate_retries_503_then_succeeds() -> None:
+    fake = FakeServer(min_chunk_size=64)
+    problem = {"type": "t", "title": "t", "status": 503, "detail": "binding failed"}
+    fake.fail_next["/negotiate"] = httpx.Response(503, json=problem, headers={"Retry-After": "0"})
+    client = ControlClient(fake.url, timeout_s=1, transport=fake.transport())
+    sleeps: list[float] = []
+    try:
+        from app.schemas import NegotiateRequest
+
+        reply = negotiate_until(
+            client, NegotiateRequest(required_alignment=16), 1e18, sleep=sleeps.append
+        )
+    finally:
+        client.close()
+    assert reply.chunk_size == 64
+    assert fake.paths() == ["POST /negotiate", "POST /negotiate"]
+    assert len(sleeps) == 1
+
+
+def test_negotiate_gives_up_at_deadline_and_never_retries_4xx() -> None:
+    from app.schemas import NegotiateRequest
+
+    fake = FakeServer(min_chunk_size=64)
+    client = ControlClient(fake.url, timeout_s=1, transport=fake.transport())
+    try:
+        fake.fail_next["/negotiate"] = httpx.Response(503, json={"detail": "x"})
+        with pytest.raises(ServerFailure):
+            negotiate_until(client, NegotiateRequest(required_alignment=16), 0.0)
+        fake.fail_next["/negotiate"] = httpx.Response(409, json={"detail": "no"})
+        with pytest.raises(ServerRejected):
+            negotiate_until(client, NegotiateRequest(required_alignment=16), 1e18)
+    finally:
+        client.close()
+
+
+# ----------------------------------------------------------------------- CUDA IPC
+
+
+def test_cuda_descriptor_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Field mapping of reduce_tensor's tuple, checked without a GPU."""
+    import torch.multiprocessing.reductions as reductions
+
+    t = torch.zeros(4, 2, 3)
+    args: tuple[Any, ...] = (
+        torch.Tensor,
+        torch.Size([4, 2, 3]),
+        (6, 3, 1),
+        5,
+        object,
+        torch.bfloat16,
+        0,
+        b"handle",
+        4096,
+        512,
+        False,
+        b"refc",
+        7,
+        b"event",
+        True,
+    )
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda _t: (None, args))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda _d: SimpleNamespace(uuid="GPU-1234")
+    )
+    d = cuda_ipc.describe_cuda_tensor(t, block_dim=0)
+    assert isinstance(d, CudaIpcTensor)
+    assert d.model_dump() == {
+        "transport": "cuda_ipc",
+        "device_uuid": "GPU-1234",
+        "handle_b64": base64.b64encode(b"handle").decode(),
+        "storage_size_bytes": 4096,
+        "storage_offset_bytes": 512,
+        "ref_counter_handle_b64": base64.b64encode(b"refc").decode(),
+        "ref_counter_offset": 7,
+        "event_handle_b64": base64.b64encode(b"event").decode(),
+        "event_sync_required": True,
+        "tensor_offset": 5,
+        "shape": [4, 2, 3],
+        "stride": [6, 3, 1],
+        "dtype": "bfloat16",
+        "block_dim": 0,
+    }
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_descriptor_real_gpu() -> None:  # pragma: no cover - GPU only
+    t = torch.zeros(8, 2, 16, 4, device="cuda", dtype=torch.float16)
+    d = cuda_ipc.describe_cuda_tensor(t[:, 1], block_dim=0)
+    assert d.shape == [8, 16, 4] and d.stride == [128, 4, 1]
+    assert d.tensor_offset == 64
+    assert d.device_uuid == str(torch.cuda.get_device_properties(0).uuid)
+    assert d.handle_b64 and d.storage_size_bytes >= t.numel() * 2

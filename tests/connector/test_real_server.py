@@ -1,0 +1,139 @@
+"""Adapters against a real mpcache server process (uvicorn subprocess, real shm)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from connector.alignment import layout_from_groups
+from connector.config import ConnectorConfig
+from connector.metadata import StepPlan
+from connector.scheduler import SchedulerAdapter
+from connector.worker import WorkerAdapter
+from tests.connector.fakes import (
+    AttnSpec,
+    CachedReqs,
+    FakeBlocks,
+    FakeRequest,
+    Group,
+    NewReq,
+    StepOutput,
+)
+from tests.support import server_process
+
+pytestmark = pytest.mark.slow
+
+NUM_BLOCKS = 32
+BS = 16
+NS = "tiny@test/ws1"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    with server_process("--chunk-size", "64") as (url, _proc):
+        yield url
+
+
+def _config(url: str, **kw: float) -> ConnectorConfig:
+    return ConnectorConfig(
+        server_urls=(url,),
+        heartbeat_interval_s=kw.get("interval", 10.0),
+        heartbeat_timeout_s=1.0,
+        request_timeout_s=5.0,
+        lookup_timeout_s=2.0,
+        startup_timeout_s=10.0,
+    )
+
+
+def _pair(url: str, instance: str) -> tuple[SchedulerAdapter, WorkerAdapter]:
+    layout = layout_from_groups([Group(AttnSpec(BS), ["l0", "l1"])])
+    common = {"model": "tiny", "instance_id": instance, "namespace": NS}
+    sched = SchedulerAdapter(_config(url), layout, world_size=1, **common)  # type: ignore[arg-type]
+    worker = WorkerAdapter(
+        _config(url),
+        layout,
+        rank=0,
+        world_size=1,
+        num_blocks=NUM_BLOCKS,
+        **common,  # type: ignore[arg-type]
+    )
+    return sched, worker
+
+
+def _wait(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+def test_round_trip_same_bytes(server: str) -> None:
+    sched, worker = _pair(server, "rt")
+    try:
+        assert sched.chunk_size == worker.chunk_size == 64
+        kv = {name: torch.zeros(NUM_BLOCKS, 2, BS, 2, 8) for name in ("l0", "l1")}
+        worker.register_kv_caches(kv)
+        assert worker.registered
+
+        prompt = [(i * 37) % 997 for i in range(150)]
+        a = FakeRequest("A", list(prompt))
+        assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+        blocks_a = list(range(1, 11))
+        sched.update_state_after_alloc(a, FakeBlocks((blocks_a,)), 0)
+        for j, b in enumerate(blocks_a):  # "forward": block j gets a recognisable pattern
+            for name in kv:
+                kv[name][b].fill_(float(j + 1) + (0.5 if name == "l1" else 0.0))
+        plan = sched.build_connector_meta(
+            StepOutput([NewReq("A", (blocks_a,), 0)], num_scheduled_tokens={"A": 150})
+        )
+        assert [(op.start_token, op.end_token) for op in plan.stores] == [(0, 128)]
+        worker.save(plan)
+        sched.request_finished(a)
+
+        b_req = FakeRequest("B", list(prompt))
+        assert sched.get_num_new_matched_tokens(b_req, 16) == (112, True)
+        blocks_b = list(range(20, 30))
+        sched.update_state_after_alloc(b_req, FakeBlocks((blocks_b,)), 112)
+        plan = sched.build_connector_meta(StepOutput())
+        assert len(plan.loads) == 1
+        worker.start_load(plan)
+        assert worker.take_transfer_results() == ({"B"}, set())
+        assert worker.take_load_errors() == set()
+        for j in range(1, 8):  # blocks 1..7 hold tokens 16..127, loaded from the cache
+            for name in kv:
+                assert torch.equal(kv[name][blocks_b[j]], kv[name][blocks_a[j]]), (name, j)
+        assert torch.all(kv["l0"][blocks_b[0]] == 0)  # vLLM's local block left alone
+        assert torch.all(kv["l0"][blocks_b[8]] == 0)  # beyond the hit: not written
+
+        # A cached request continues: the next chunk is stored when computed.
+        plan = sched.build_connector_meta(
+            StepOutput(
+                scheduled_cached_reqs=CachedReqs(["B"], set(), [None], [128]),
+                num_scheduled_tokens={"B": 22},
+            )
+        )
+        assert plan.stores == ()  # 150 tokens: no further whole chunk
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+def test_degraded_never_raises(server: str) -> None:
+    sched, worker = _pair(server, "deg")
+    try:
+        worker.register_kv_caches({n: torch.zeros(NUM_BLOCKS, 2, BS, 2, 8) for n in ("l0", "l1")})
+        worker.link.mark_unhealthy("test")
+        sched.links[server].mark_unhealthy("test")
+        assert sched.get_num_new_matched_tokens(FakeRequest("X", list(range(300))), 0) == (
+            0,
+            False,
+        )
+        worker.save(StepPlan())
+        worker.start_load(StepPlan())
+    finally:
+        worker.shutdown()
+        sched.shutdown()

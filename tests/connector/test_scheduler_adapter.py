@@ -1,0 +1,397 @@
+"""Scheduler adapter against the in-memory server double (no vLLM needed)."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from app.schemas import StoreRequest
+from connector.alignment import layout_from_groups
+from connector.client import ControlClient
+from connector.config import ConnectorConfig
+from connector.errors import StartupError
+from connector.metadata import TransferOp
+from connector.scheduler import SchedulerAdapter
+from tests.connector.fakes import (
+    AttnSpec,
+    CachedReqs,
+    FakeBlocks,
+    FakeRequest,
+    FakeServer,
+    Group,
+    NewReq,
+    StepOutput,
+)
+
+NS = "ns"
+
+
+def _layout(*spans: int, scratch: int | None = None) -> object:
+    groups = [Group(AttnSpec(s), [f"l{i}"]) for i, s in enumerate(spans)]
+    if scratch is not None:
+        groups.insert(1, Group(AttnSpec(scratch, prefix_cacheable=False), ["ring"]))
+    return layout_from_groups(groups)
+
+
+def _router(*servers: FakeServer) -> Callable[[str], object]:
+    by_url = {s.url: s for s in servers}
+    return lambda url: by_url[url].transport()
+
+
+@pytest.fixture
+def adapters() -> Iterator[list[SchedulerAdapter]]:
+    made: list[SchedulerAdapter] = []
+    yield made
+    for a in made:
+        a.shutdown()
+
+
+def make(
+    made: list[SchedulerAdapter],
+    *servers: FakeServer,
+    spans: tuple[int, ...] = (16,),
+    scratch: int | None = None,
+    heartbeat: bool = False,
+    interval: float = 0.05,
+    world_size: int = 1,
+) -> SchedulerAdapter:
+    config = ConnectorConfig(
+        server_urls=tuple(s.url for s in servers),
+        heartbeat_interval_s=interval,
+        heartbeat_timeout_s=0.5,
+        request_timeout_s=0.5,
+        lookup_timeout_s=0.5,
+        startup_timeout_s=0.3,
+    )
+    adapter = SchedulerAdapter(
+        config,
+        _layout(*spans, scratch=scratch),  # type: ignore[arg-type]
+        model="tiny",
+        instance_id="eng",
+        namespace=NS,
+        world_size=world_size,
+        transport=_router(*servers),  # type: ignore[arg-type]
+        async_transport=_router(*servers),  # type: ignore[arg-type]
+        start_heartbeat=heartbeat,
+    )
+    made.append(adapter)
+    return adapter
+
+
+def _tokens(n: int, seed: int = 0) -> list[int]:
+    return [(seed * 7919 + i * 31) % 1000 for i in range(n)]
+
+
+def _decode(op: TransferOp) -> list[int]:
+    return np.frombuffer(base64.b64decode(op.tokens_b64), dtype="<i4").tolist()
+
+
+def _store(server: FakeServer, ops: tuple[TransferOp, ...], rank: int = 0) -> None:
+    client = ControlClient(server.url, timeout_s=1, transport=server.transport())
+    try:
+        client.store(
+            StoreRequest(instance_id="eng", rank=rank, requests=[o.to_item(NS) for o in ops])
+        )
+    finally:
+        client.close()
+
+
+def _wait(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
+
+
+# ------------------------------------------------------------------- negotiation
+
+
+@pytest.mark.parametrize(
+    ("spans", "minimum", "chunk"),
+    [
+        pytest.param((256,), 256, 256, id="256"),
+        pytest.param((544,), 256, 544, id="544"),
+        pytest.param((544,), 600, 1088, id="544-min600"),
+        pytest.param((32, 48), 256, 288, id="32-48"),
+    ],
+)
+def test_negotiates_seed_sizes(
+    adapters: list[SchedulerAdapter], spans: tuple[int, ...], minimum: int, chunk: int
+) -> None:
+    server = FakeServer(min_chunk_size=minimum)
+    adapter = make(adapters, server, spans=spans)
+    assert adapter.chunk_size == chunk
+    assert server.paths() == ["POST /negotiate"]  # negotiation comes before anything
+    assert server.calls[0][2]["required_alignment"] == adapter.alignment
+    assert server.calls[0][2]["role"] == "scheduler"
+
+
+def test_scratch_group_not_in_alignment(adapters: list[SchedulerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server, spans=(16,), scratch=24)
+    assert adapter.alignment == 16
+    assert adapter.chunk_size == 64
+
+
+def test_two_servers_agree(adapters: list[SchedulerAdapter]) -> None:
+    a, b = FakeServer("http://a:1", 256), FakeServer("http://b:2", 200)
+    adapter = make(adapters, a, b, spans=(32, 48))
+    assert adapter.chunk_size == 288
+    assert all(link.healthy for link in adapter.links.values())
+
+
+def test_two_servers_disagree_is_a_startup_error(adapters: list[SchedulerAdapter]) -> None:
+    a, b = FakeServer("http://a:1", 256), FakeServer("http://b:2", 300)
+    with pytest.raises(StartupError) as info:
+        make(adapters, a, b, spans=(32, 48))
+    text = str(info.value)
+    assert "disagree" in text
+    assert "http://a:1 -> chunk size 288" in text
+    assert "http://b:2 -> chunk size 384" in text
+
+
+def test_unreachable_server_is_a_startup_error(adapters: list[SchedulerAdapter]) -> None:
+    a, b = FakeServer("http://a:1"), FakeServer("http://b:2")
+    b.up = False
+    started = time.monotonic()
+    with pytest.raises(StartupError) as info:
+        make(adapters, a, b)
+    assert time.monotonic() - started < 3  # bounded by startup_timeout
+    assert "http://a:1 -> chunk size 256" in str(info.value)
+    assert "http://b:2 -> error:" in str(info.value)
+
+
+def test_refusal_is_not_retried(adapters: list[SchedulerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    make(adapters, server, spans=(16,))  # selects 64
+    with pytest.raises(StartupError, match="not a multiple of 48"):
+        make(adapters, server, spans=(48,))
+    assert server.paths().count("POST /negotiate") == 2
+
+
+# ------------------------------------------------------------- lookup and plans
+
+
+def test_store_then_hit_then_load(adapters: list[SchedulerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server)
+    prompt = _tokens(200)
+    a = FakeRequest("A", list(prompt))
+    assert adapter.get_num_new_matched_tokens(a, 0) == (0, False)
+    blocks_a = [list(range(1, 14))]
+    adapter.update_state_after_alloc(a, FakeBlocks(tuple(blocks_a)), 0)
+
+    plan = adapter.build_connector_meta(
+        StepOutput([NewReq("A", (blocks_a[0],), 0)], num_scheduled_tokens={"A": 128})
+    )
+    assert plan.loads == ()
+    (op,) = plan.stores
+    assert (op.start_token, op.end_token) == (0, 128)
+    assert _decode(op) == prompt[:128]
+    assert op.block_ids == [blocks_a[0][:8]]
+    _store(server, plan.stores)
+
+    plan = adapter.build_connector_meta(
+        StepOutput(
+            scheduled_cached_reqs=CachedReqs(["A"], set(), [None], [128]),
+            num_scheduled_tokens={"A": 72},
+        )
+    )
+    (op,) = plan.stores
+    assert (op.start_token, op.end_token) == (128, 192)  # the partial chunk stays out
+    _store(server, plan.stores)
+    assert adapter.request_finished(a) == (False, None)
+
+    # Same prompt again; vLLM's own prefix cache holds the first 32 tokens.
+    b = FakeRequest("B", list(prompt))
+    before = server.paths().count("POST /cache/lookup")
+    assert adapter.get_num_new_matched_tokens(b, 32) == (160, True)
+    assert adapter.get_num_new_matched_tokens(b, 32) == (160, True)  # memoised
+    assert server.paths().count("POST /cache/lookup") == before + 1
+    blocks_b = list(range(20, 33))
+    adapter.update_state_after_alloc(b, FakeBlocks((blocks_b,)), 160)
+    plan = adapter.build_connector_meta(StepOutput())
+    (load,) = plan.loads
+    assert (load.start_token, load.end_token) == (0, 192)
+    assert load.block_ids == [[0, 0, *blocks_b[2:12]]]  # local blocks never written
+    assert _decode(load) == prompt[:192]
+    assert plan.ended == ("A",)
+
+
+def test_last_token_is_never_a_hit(adapters: list[SchedulerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server)
+    prompt = _tokens(128)
+    a = FakeRequest("A", prompt)
+    adapter.get_num_new_matched_tokens(a, 0)
+    adapter.update_state_after_alloc(a, FakeBlocks((list(range(1, 9)),)), 0)
+    plan = adapter.build_connector_meta(
+        StepOutput([NewReq("A", (list(range(1, 9)),), 0)], num_scheduled_tokens={"A": 128})
+    )
+    _store(server, plan.stores)
+    b = FakeRequest("B", list(prompt))
+    # 128 tokens are cached but the last one must be computed: only one chunk counts.
+    assert adapter.get_num_new_matched_tokens(b, 0) == (64, True)
+
+
+def test_short_prompt_makes_no_call(adapters: list[SchedulerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server)
+    assert adapter.get_num_new_matched_tokens(FakeRequest("A", _tokens(64)), 0) == (0, False)
+    assert adapter.get_num_new_matched_tokens(FakeRequest("B", _tokens(300)), 256) == (0, False)
+    assert "POST /cache/lookup" not in server.paths()
+
+
+def test_store_limited_to_prompt_and_resumed_blocks(adapters: list[SchedulerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server)
+    a = FakeRequest("A", _tokens(100), num_prompt_tokens=70)
+    adapter.get_num_new_matched_tokens(a, 0)
+    adapter.update_state_after_alloc(a, FakeBlocks(([1, 2, 3, 4, 5, 6, 7],)), 0)
+    plan = adapter.build_connector_meta(
+        StepOutput([NewReq("A", ([1, 2, 3],), 0)], num_scheduled_tokens={"A": 48})
+    )
+    assert plan.stores == ()
+    plan = adapter.build_connector_meta(
+        StepOutput(
+            scheduled_cached_reqs=CachedReqs(["A"], {"A"}, [([9, 8, 7, 6, 5],)], [48]),
+            num_scheduled_tokens={"A": 52},
+        )
+    )
+    (op,) = plan.stores
+    assert (op.start_token, op.end_token) == (0, 64)
+    assert op.block_ids == [[9, 8, 7, 6]]  # resumed: block ids replaced, not appended
+
+
+def test_block_ids_only_for_cacheable_groups(adapters: list[SchedulerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server, spans=(16, 32), scratch=8)
+    a = FakeRequest("A", _tokens(70))
+    adapter.get_num_new_matched_tokens(a, 0)
+    groups = (list(range(1, 6)), [99], [11, 12, 13])  # vLLM order: g0, ring, g2
+    adapter.update_state_after_alloc(a, FakeBlocks(groups), 0)
+    plan = adapter.build_connector_meta(
+        StepOutput([NewReq("A", groups, 0)], num_scheduled_tokens={"A": 70})
+    )
+    (op,) = plan.stores
+    assert op.block_ids == [[1, 2, 3, 4], [11, 12]]
+
+
+# ------------------------------------------------------------- degraded, health
+
+
+def test_degraded_lookup_and_stores(
+    adapters: list[SchedulerAdapter], caplog: pytest.LogCaptureFixture
+) -> None:
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server)
+    server.up = False
+    a = FakeRequest("A", _tokens(200))
+    with caplog.at_level(logging.WARNING, logger="mpcache.connector"):
+        assert adapter.get_num_new_matched_tokens(a, 0) == (0, False)
+        assert not adapter.available
+        assert adapter.get_num_new_matched_tokens(FakeRequest("B", _tokens(200)), 0) == (0, False)
+    assert sum("unhealthy" in r.message for r in caplog.records) == 1
+    adapter.update_state_after_alloc(a, FakeBlocks((list(range(1, 14)),)), 0)
+    plan = adapter.build_connector_meta(
+        StepOutput([NewReq("A", (list(range(1, 14)),), 0)], num_scheduled_tokens={"A": 200})
+    )
+    assert plan.stores == ()
+
+
+def test_lookup_5xx_counts_as_miss_without_degrading(adapters: list[SchedulerAdapter]) -> None:
+    import httpx
+
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server)
+    server.fail_next["/cache/lookup"] = httpx.Response(500, json={"detail": "x"})
+    assert adapter.get_num_new_matched_tokens(FakeRequest("A", _tokens(200)), 0) == (0, False)
+    assert adapter.available
+
+
+def test_heartbeat_recovers_after_outage(
+    adapters: list[SchedulerAdapter], caplog: pytest.LogCaptureFixture
+) -> None:
+    server = FakeServer(min_chunk_size=64)
+    with caplog.at_level(logging.WARNING, logger="mpcache.connector"):
+        adapter = make(adapters, server, heartbeat=True)
+        link = adapter.links[server.url]
+        server.up = False
+        _wait(lambda: not link.healthy)
+        server.restart()
+        server.up = True
+        _wait(lambda: link.healthy)
+    assert link.boot_id == server.boot_id
+    assert server.chunk_size == 64  # re-negotiated with the original alignment
+    messages = [r.message for r in caplog.records]
+    assert sum("unhealthy" in m for m in messages) == 1
+    assert sum("healthy again" in m for m in messages) == 1
+
+
+def test_restart_between_pings_detected_by_boot_id(adapters: list[SchedulerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server, heartbeat=True, interval=0.05)
+    link = adapter.links[server.url]
+    old = server.boot_id
+    server.restart()  # never unreachable: only the boot_id tells
+    _wait(lambda: link.healthy and link.boot_id == server.boot_id)
+    assert link.boot_id != old
+    assert server.chunk_size == 64
+
+
+def test_restart_with_other_size_stays_degraded(
+    adapters: list[SchedulerAdapter], caplog: pytest.LogCaptureFixture
+) -> None:
+    server = FakeServer(min_chunk_size=64)
+    with caplog.at_level(logging.WARNING, logger="mpcache.connector"):
+        adapter = make(adapters, server, heartbeat=True, interval=0.02)
+        link = adapter.links[server.url]
+        server.restart(min_chunk_size=100)  # alignment 16 -> 112, not 64
+        _wait(lambda: not link.healthy)
+        rounds = adapter.heartbeat.rounds
+        _wait(lambda: adapter.heartbeat.rounds >= rounds + 5)
+    assert not link.healthy
+    assert adapter.get_num_new_matched_tokens(FakeRequest("A", _tokens(300)), 0) == (0, False)
+    failures = [r for r in caplog.records if "cannot re-join" in r.message]
+    assert len(failures) == 1  # logged once, not every heartbeat
+    assert "112" in failures[0].message and "64" in failures[0].message
+
+
+def test_finished_sessions_are_ended_off_thread(adapters: list[SchedulerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server, heartbeat=True, interval=10)
+    for rid in ("A", "B"):
+        adapter.request_finished(FakeRequest(rid, _tokens(10)))
+    adapter.build_connector_meta(StepOutput())
+    _wait(lambda: server.ended == ["A", "B"])
+    assert server.paths().count("POST /cache/end") == 1  # one batched call per step
+
+
+def test_shutdown_flushes_ended_sessions(adapters: list[SchedulerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server)
+    adapter.request_finished(FakeRequest("A", _tokens(10)))
+    adapter.shutdown()
+    assert server.ended == ["A"]
+
+
+def test_multi_server_lookup_needs_every_server(adapters: list[SchedulerAdapter]) -> None:
+    a, b = FakeServer("http://a:1", 64), FakeServer("http://b:2", 64)
+    adapter = make(adapters, a, b, world_size=2)
+    prompt = _tokens(200)
+    r = FakeRequest("A", list(prompt))
+    adapter.get_num_new_matched_tokens(r, 0)
+    adapter.update_state_after_alloc(r, FakeBlocks((list(range(1, 14)),)), 0)
+    plan = adapter.build_connector_meta(
+        StepOutput([NewReq("A", (list(range(1, 14)),), 0)], num_scheduled_tokens={"A": 200})
+    )
+    _store(a, plan.stores)  # rank 0 lives on server a, rank 1 on b
+    assert adapter.get_num_new_matched_tokens(FakeRequest("B", list(prompt)), 0) == (0, False)
+    _store(b, plan.stores)
+    assert adapter.get_num_new_matched_tokens(FakeRequest("C", list(prompt)), 0) == (192, True)

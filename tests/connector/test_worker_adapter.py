@@ -1,0 +1,304 @@
+"""Worker adapter: shm registration (CPU), batched loads/stores, degraded mode."""
+
+from __future__ import annotations
+
+import base64
+import mmap
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import posix_ipc
+import pytest
+import torch
+
+from connector.alignment import layout_from_groups
+from connector.config import ConnectorConfig
+from connector.errors import LayoutError
+from connector.metadata import StepPlan, TransferOp, encode_tokens
+from connector.worker import WorkerAdapter, _block_view
+from tests.connector.fakes import AttnSpec, FakeServer, Group
+
+NUM_BLOCKS = 8
+NS = "ns"
+
+
+@pytest.fixture
+def workers() -> Iterator[list[WorkerAdapter]]:
+    made: list[WorkerAdapter] = []
+    yield made
+    for w in made:
+        w.shutdown()
+
+
+def make(
+    made: list[WorkerAdapter],
+    server: FakeServer,
+    *,
+    groups: list[Group] | None = None,
+    heartbeat: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+    urls: tuple[str, ...] | None = None,
+) -> WorkerAdapter:
+    groups = groups or [Group(AttnSpec(16), ["l0", "l1"])]
+    config = ConnectorConfig(
+        server_urls=urls or (server.url,),
+        heartbeat_interval_s=0.03,
+        heartbeat_timeout_s=0.5,
+        request_timeout_s=0.5,
+        startup_timeout_s=0.3,
+    )
+    worker = WorkerAdapter(
+        config,
+        layout_from_groups(groups),
+        model="tiny",
+        instance_id="eng",
+        namespace=NS,
+        rank=rank,
+        world_size=world_size,
+        num_blocks=NUM_BLOCKS,
+        transport=lambda url: server.transport(),
+        async_transport=lambda url: server.transport(),
+        start_heartbeat=heartbeat,
+    )
+    made.append(worker)
+    return worker
+
+
+def _kv(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(NUM_BLOCKS, 2, 16, 4, generator=g, dtype=torch.float32).to(torch.float16)
+
+
+def _map_segment(name: str) -> mmap.mmap:
+    seg = posix_ipc.SharedMemory(f"/{name}")
+    try:
+        return mmap.mmap(seg.fd, seg.size)
+    finally:
+        seg.close_fd()
+
+
+def _op(rid: str, tokens: list[int], start: int, end: int, blocks: list[int]) -> TransferOp:
+    return TransferOp(rid, start, end, encode_tokens(tokens[:end]), [blocks])
+
+
+def _wait(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
+
+
+# ------------------------------------------------------------------ registration
+
+
+def test_cpu_tensors_move_into_shm_zero_copy(workers: list[WorkerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    worker = make(workers, server)
+    l0, l1 = _kv(0), _kv(1)
+    before0, before1 = l0.clone(), l1.clone()
+    view_of_l0 = l0[3]  # a view vLLM might hold elsewhere
+    worker.register_kv_caches({"l0": l0, "l1": l1})
+
+    assert worker.registered
+    assert torch.equal(l0, before0) and torch.equal(l1, before1)
+    reg = server.registrations[("eng", 0)]
+    assert [layer.name for layer in reg.layers] == ["l0", "l1"]
+    d0 = reg.layers[0].tensors[0]
+    assert d0.transport == "shm"
+    assert d0.segment.startswith(f"mpcache-w-{os.getpid()}-")
+    assert (d0.shape, d0.stride, d0.dtype, d0.block_dim, d0.offset_bytes) == (
+        [NUM_BLOCKS, 2, 16, 4],
+        [128, 64, 4, 1],
+        "float16",
+        0,
+        0,
+    )
+    assert reg.chunk_size == 64 and reg.namespace == NS
+    assert [g.model_dump() for g in reg.groups] == [
+        {"group_id": 0, "kind": "attention", "token_span": 16}
+    ]
+    assert len(worker.segments) == 2
+
+    # Same pages: a write through the server's mapping shows up in vLLM's tensors.
+    mapping = _map_segment(d0.segment)
+    server_view = torch.frombuffer(mapping, dtype=torch.float16).view(NUM_BLOCKS, 2, 16, 4)
+    server_view[3].fill_(7.0)
+    assert torch.all(l0[3] == 7.0) and torch.all(view_of_l0 == 7.0)
+    l0[5].fill_(-1.0)
+    assert torch.all(server_view[5] == -1.0)
+    del server_view
+    mapping.close()
+
+
+def test_shared_storage_is_one_segment(workers: list[WorkerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    worker = make(workers, server)
+    raw = torch.zeros(2 * NUM_BLOCKS * 128, dtype=torch.float16)
+    l0 = raw[: NUM_BLOCKS * 128].view(NUM_BLOCKS, 2, 16, 4)
+    l1 = raw[NUM_BLOCKS * 128 :].view(NUM_BLOCKS, 2, 16, 4)
+    worker.register_kv_caches({"l0": l0, "l1": l1})
+    d0, d1 = (layer.tensors[0] for layer in server.registrations[("eng", 0)].layers)
+    assert d0.segment == d1.segment
+    assert (d0.offset_bytes, d1.offset_bytes) == (0, NUM_BLOCKS * 128 * 2)
+    assert len(worker.segments) == 1
+    raw[-1] = 3.0
+    assert l1[-1, -1, -1, -1] == 3.0
+
+
+def test_scratch_layers_are_not_registered(workers: list[WorkerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    groups = [
+        Group(AttnSpec(16), ["l0"]),
+        Group(AttnSpec(8, prefix_cacheable=False), ["ring"]),
+    ]
+    worker = make(workers, server, groups=groups)
+    worker.register_kv_caches({"l0": _kv(0), "ring": _kv(1)})
+    assert [layer.name for layer in server.registrations[("eng", 0)].layers] == ["l0"]
+    assert len(worker.segments) == 1
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim", "view_shape"),
+    [
+        pytest.param((NUM_BLOCKS, 2, 16, 4), 0, (NUM_BLOCKS, 2, 16, 4), id="blocks-first"),
+        pytest.param((2, NUM_BLOCKS, 16, 4), 1, (2, NUM_BLOCKS, 16, 4), id="kv-first"),
+        pytest.param((2 * NUM_BLOCKS, 3, 4), 0, (NUM_BLOCKS, 2, 3, 4), id="kernel-split"),
+    ],
+)
+def test_block_dim(shape: tuple[int, ...], dim: int, view_shape: tuple[int, ...]) -> None:
+    view, block_dim = _block_view(torch.zeros(shape), NUM_BLOCKS)
+    assert (block_dim, tuple(view.shape)) == (dim, view_shape)
+
+
+def test_block_dim_missing() -> None:
+    with pytest.raises(LayoutError, match="indexes the 8 KV cache blocks"):
+        _block_view(torch.zeros(3, 5), NUM_BLOCKS)
+
+
+def test_refused_registration_degrades(workers: list[WorkerAdapter]) -> None:
+    import httpx
+
+    server = FakeServer(min_chunk_size=64)
+    worker = make(workers, server)
+    server.fail_next["/register"] = httpx.Response(422, json={"detail": "bad descriptor"})
+    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})  # does not raise
+    assert not worker.registered and not worker.available
+
+
+# ---------------------------------------------------------------- loads, stores
+
+
+def test_store_then_load_and_failures(workers: list[WorkerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    worker = make(workers, server)
+    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    tokens = list(range(200))
+    worker.save(StepPlan(stores=(_op("A", tokens, 0, 128, [1, 2, 3, 4, 5, 6, 7, 7]),)))
+    (store_call,) = [c for c in server.calls if c[1] == "/cache/store"]
+    assert store_call[2]["rank"] == 0 and store_call[2]["instance_id"] == "eng"
+    assert store_call[2]["requests"][0]["namespace"] == NS
+    tokens_sent = np.frombuffer(
+        base64.b64decode(store_call[2]["requests"][0]["tokens_b64"]), dtype="<i4"
+    )
+    assert tokens_sent.tolist() == tokens[:128]
+
+    # B loads both chunks; C asks for a chunk that is not cached.
+    other = [t + 1000 for t in tokens]
+    worker.start_load(
+        StepPlan(
+            loads=(
+                _op("B", tokens, 0, 128, [0, 0, 3, 4, 5, 6, 7, 1]),
+                _op("C", other, 0, 128, [0, 0, 3, 4, 5, 6, 7, 1]),
+            )
+        )
+    )
+    finished, failed = worker.take_transfer_results()
+    assert finished == {"B", "C"}
+    assert failed == set()  # single group: failures are reported per block
+    assert worker.take_load_errors() == {1, 3, 4, 5, 6, 7}
+    assert worker.take_load_errors() == set()
+    assert [c[1] for c in server.calls].count("/cache/retrieve") == 1  # one batched call
+
+
+def test_multi_group_failures_are_request_level(workers: list[WorkerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    groups = [Group(AttnSpec(16), ["l0"]), Group(AttnSpec(32), ["l1"])]
+    worker = make(workers, server, groups=groups)
+    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    op = TransferOp("A", 0, 64, encode_tokens(range(64)), [[1, 2, 3, 4], [5, 6]])
+    worker.start_load(StepPlan(loads=(op,)))
+    assert worker.take_transfer_results() == ({"A"}, {"A"})
+    assert worker.take_load_errors() == set()
+
+
+def test_degraded_worker_skips_stores_and_fails_loads(workers: list[WorkerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    worker = make(workers, server)
+    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    server.up = False
+    tokens = list(range(128))
+    started = time.monotonic()
+    worker.save(StepPlan(stores=(_op("A", tokens, 0, 128, [1, 2, 3, 4, 5, 6, 7, 1]),)))
+    assert not worker.available  # the failed store marked the server suspect
+    worker.save(StepPlan(stores=(_op("A", tokens, 0, 128, [1, 2, 3, 4, 5, 6, 7, 1]),)))
+    worker.start_load(StepPlan(loads=(_op("B", tokens, 0, 64, [0, 2, 3, 4]),)))
+    assert time.monotonic() - started < 2
+    assert worker.take_transfer_results() == ({"B"}, set())
+    assert worker.take_load_errors() == {2, 3, 4}
+    assert [c[1] for c in server.calls].count("/cache/store") == 0  # refused connection
+
+
+def test_restart_reregisters(workers: list[WorkerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    worker = make(workers, server, heartbeat=True)
+    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    server.restart()
+    assert server.registrations == {}
+    _wait(lambda: worker.link.healthy and worker.link.boot_id == server.boot_id)
+    assert ("eng", 0) in server.registrations
+    assert server.chunk_size == 64
+    assert worker.available
+
+
+def test_restart_with_other_size_keeps_worker_degraded(workers: list[WorkerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    worker = make(workers, server, heartbeat=True)
+    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    server.restart(min_chunk_size=65)  # -> 80
+    _wait(lambda: not worker.link.healthy)
+    rounds = worker.heartbeat.rounds
+    _wait(lambda: worker.heartbeat.rounds >= rounds + 3)
+    assert not worker.available
+    assert server.registrations == {}
+    worker.save(StepPlan(stores=(_op("A", list(range(64)), 0, 64, [1, 2, 3, 4]),)))
+    assert "/cache/store" not in [c[1] for c in server.calls]
+
+
+def test_second_server_gets_its_ranks_from_zero(workers: list[WorkerAdapter]) -> None:
+    server = FakeServer("http://b:2", min_chunk_size=64)
+    worker = make(workers, server, rank=3, world_size=4, urls=("http://a:1", "http://b:2"))
+    assert (worker.server_rank, worker.ranks_on_server) == (1, 2)
+    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    reg = server.registrations[("eng", 1)]
+    assert (reg.rank, reg.world_size) == (1, 2)
+
+
+def test_shutdown_unregisters_and_unlinks(workers: list[WorkerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    worker = make(workers, server)
+    l0 = _kv(0)
+    expected = l0.clone()
+    worker.register_kv_caches({"l0": l0, "l1": _kv(1)})
+    names = [s.name for s in worker.segments]
+    worker.shutdown()
+    workers.clear()
+    assert server.registrations == {}
+    assert "DELETE /register/eng/0" in server.paths()
+    for name in names:
+        with pytest.raises(posix_ipc.ExistentialError):
+            posix_ipc.SharedMemory(f"/{name}")
+    assert torch.equal(l0, expected)  # vLLM's tensors stay valid after the unlink

@@ -1,0 +1,56 @@
+"""Pool settings: sizes with units, from flags and MPCACHE_* variables."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.cli import parse_settings
+from app.settings import Settings, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        pytest.param("1073741824", 1 << 30, id="bytes"),
+        pytest.param("4GiB", 4 << 30, id="GiB"),
+        pytest.param("4g", 4 << 30, id="bare-g"),
+        pytest.param("512 MiB", 512 << 20, id="space"),
+        pytest.param("1.5GiB", 3 << 29, id="fraction"),
+        pytest.param("2GB", 2_000_000_000, id="decimal"),
+        pytest.param("64KiB", 64 << 10, id="KiB"),
+    ],
+)
+def test_parse_size(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "lots", "4XB", "-1GiB", "1.0000001KiB"])
+def test_parse_size_refuses(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_pool_size_from_env_and_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MPCACHE_POOL_SIZE", "2GiB")
+    assert Settings().pool_size == 2 << 30
+    assert parse_settings(["server", "--pool-size", "256MiB"]).pool_size == 256 << 20
+    settings = parse_settings(["server", "--pool-page-size", "1MiB", "--no-pool-prefault"])
+    assert settings.pool_page_size == 1 << 20 and settings.pool_prefault is False
+
+
+def test_default_pool_is_laptop_sized(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MPCACHE_POOL_SIZE", raising=False)
+    assert Settings().pool_size == 1 << 30
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param({"pool_page_size": 5000}, id="page-not-power-of-two"),
+        pytest.param({"pool_size": 4096, "pool_page_size": 8192}, id="pool-below-page"),
+        pytest.param({"pool_size": "tiny"}, id="unreadable"),
+    ],
+)
+def test_bad_pool_settings(overrides: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        Settings(**overrides)  # type: ignore[arg-type]

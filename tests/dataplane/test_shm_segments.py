@@ -1,0 +1,126 @@
+"""Segment ownership, stale sweeps and free-space checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import posix_ipc
+import pytest
+
+from app.errors import SegmentNotFound, SharedMemoryExhausted
+from dataplane.segments import (
+    SHM_DIR,
+    Segment,
+    check_free_space,
+    segment_name,
+    stale_segments,
+    sweep_stale,
+)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=30)
+    return proc.pid
+
+
+def _exists(name: str) -> bool:
+    return os.path.exists(f"{SHM_DIR}/{name}")
+
+
+def test_creator_unlinks_attacher_only_unmaps() -> None:
+    owner = Segment.create(segment_name("w"), 8192)
+    try:
+        owner.buffer[:5] = b"hello"
+        attached = Segment.attach(owner.name)
+        assert attached.buffer[:5] == b"hello"
+        assert not attached.owner and attached.size_bytes == 8192
+        attached.close()
+        attached.close()
+        assert _exists(owner.name)
+    finally:
+        owner.close()
+    assert not _exists(owner.name)
+    with pytest.raises(SegmentNotFound):
+        Segment.attach(owner.name)
+    with pytest.raises(SegmentNotFound):
+        Segment.probe(owner.name)
+
+
+def test_close_with_live_views_still_unlinks() -> None:
+    import torch
+
+    seg = Segment.create(segment_name("w"), 4096)
+    view = torch.frombuffer(seg.buffer, dtype=torch.uint8)
+    seg.close()  # the view keeps the mapping; the name goes now
+    assert not _exists(seg.name)
+    view.fill_(1)  # still valid memory
+    del view
+
+
+def test_sweep_removes_only_dead_creators_segments() -> None:
+    dead = segment_name("pool", pid=_dead_pid())
+    alive = segment_name("pool", pid=os.getppid())
+    odd = "mpcache-pool-notapid"
+    made = []
+    try:
+        for name in (dead, alive, odd):
+            shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, size=4096)
+            shm.close_fd()
+            made.append(name)
+        assert dead in stale_segments()
+        removed = sweep_stale()
+        assert dead in removed
+        assert not _exists(dead) and _exists(alive) and _exists(odd)
+        assert alive not in removed and odd not in removed
+    finally:
+        for name in made:
+            if _exists(name):
+                posix_ipc.unlink_shared_memory("/" + name)
+
+
+def test_sweep_leaves_other_kinds_alone() -> None:
+    worker = segment_name("w", pid=_dead_pid())
+    shm = posix_ipc.SharedMemory("/" + worker, posix_ipc.O_CREX, size=4096)
+    shm.close_fd()
+    try:
+        assert worker not in sweep_stale()  # pool prefix by default
+        assert _exists(worker)
+    finally:
+        posix_ipc.unlink_shared_memory("/" + worker)
+
+
+def test_full_dev_shm_is_a_clear_error_not_a_sigbus() -> None:
+    st = os.statvfs(SHM_DIR)
+    too_big = st.f_bavail * st.f_frsize + (1 << 30)
+    with pytest.raises(SharedMemoryExhausted, match="lower --pool-size"):
+        check_free_space(too_big)
+    name = segment_name("pool")
+    with pytest.raises(SharedMemoryExhausted):
+        Segment.create(name, too_big)
+    # Without the up-front check, fallocate still refuses before any page is touched.
+    with pytest.raises(SharedMemoryExhausted, match="cannot allocate"):
+        Segment.create(name, too_big, check_space=False)
+    assert not _exists(name)
+
+
+def test_prefault_populates_without_writing() -> None:
+    import torch
+
+    seg = Segment.create(segment_name("pool"), 1 << 20)
+    try:
+        base = torch.frombuffer(seg.buffer, dtype=torch.uint8)
+        base.fill_(3)
+        seg.prefault(base.data_ptr())
+        assert bool((base == 3).all())
+        del base
+    finally:
+        seg.close()
+
+
+@pytest.mark.parametrize("name", ["x", "mpcache-w/a", "/mpcache-w-1-a"])
+def test_names_outside_our_scheme_are_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="not an mpcache segment name"):
+        Segment.create(name, 4096)
