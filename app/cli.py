@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
         help="populate the pool's page tables at start (on)",
     )
     server.add_argument("--lease-ttl-s", type=float, help="lease on looked-up chunks (30)")
+    server.add_argument("--copy-threads", type=int, help="threads per copy; 0 = min(4, cores) (0)")
     return parser
 
 

@@ -68,6 +68,12 @@ class Settings(BaseSettings):
     lease_ttl_s: float = Field(
         30.0, ge=0, description="How long a lookup keeps its hits from eviction (0: never)."
     )
+    copy_threads: int = Field(
+        0,
+        ge=0,
+        le=256,
+        description="Threads one copy may use (torch intra-op); 0: min(4, cores).",
+    )
 
     @field_validator("pool_size", "pool_page_size", mode="before")
     @classmethod

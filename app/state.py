@@ -26,6 +26,7 @@ from dataplane.pool import Pool
 from dataplane.registry import Registry
 from dataplane.segments import POOL_PREFIX, segment_name, sweep_stale
 from dataplane.service import CacheService
+from dataplane.transfer import configure_copy_threads
 
 __all__ = ["BINDING_ORDER", "Runtime", "build_runtime"]
 
@@ -95,6 +96,7 @@ def build_runtime(settings: Settings) -> Runtime:
         sessions.live_count,
         telemetry,
     )
+    configure_copy_threads(settings.copy_threads)
     for name in sweep_stale(POOL_PREFIX):
         logger.warning("removed the pool %s of a server that is gone", name)
     pool = Pool.create(segment_name("pool"), settings.pool_size, settings.pool_page_size)

@@ -1,1 +1,15 @@
-"""Data plane: the shared-memory cache pool, registered KV caches, copy kernels."""
+"""Data plane: the shared-memory cache pool, registered KV caches, copy kernels.
+
+Pure maths is kept apart from I/O:
+
+- ``layout``       chunk layout of a registration (regions, slots, signature); pure
+- ``segments``     POSIX shm segments: naming, ownership, free-space check, stale sweep
+- ``pool``         the L1 cache: pages in one owned segment, LRU, pins, leases
+- ``descriptors``  validate tensor descriptors, then map shm and build zero-copy views
+- ``cuda_ipc``     GPU tensors by CUDA IPC (Note [mpcache CUDA IPC invariants])
+- ``transfer``     copy plans and the gather/scatter kernels
+- ``registry``     registrations keyed by (instance_id, rank)
+- ``service``      the cache operations the routes call
+
+Importing this package does nothing (no threads, segments or CUDA).
+"""

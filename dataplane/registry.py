@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.errors import InvalidDescriptor, InvalidRequest, NotFound
+from app.errors import InvalidRequest, NotFound, Unavailable
 from app.schemas import CudaIpcTensor, RegisterRequest, ShmTensor
 from dataplane import cuda_ipc
 from dataplane.descriptors import ShmMapping, TensorGeometry, map_shm, shm_view, tensor_geometry
@@ -160,27 +160,31 @@ class Registry:
     def add(self, reg: Registration) -> bool:
         """Install ``reg``, replacing any earlier one for its key; True if replaced."""
         with self._lock:
-            if self._closed:
-                raise InvalidDescriptor("the server is shutting down", reason="closed")
-            old = self._regs.get((reg.instance_id, reg.rank))
-            self._regs[(reg.instance_id, reg.rank)] = reg
-            if old is not None:
-                old.retired = True
-                release = old.users == 0
-        if old is not None and release:
+            closed = self._closed
+            old = None if closed else self._regs.get((reg.instance_id, reg.rank))
+            if not closed:
+                self._regs[(reg.instance_id, reg.rank)] = reg
+            release = old is not None and self._retire(old)
+        if closed:
+            reg.release()
+            raise Unavailable("the server is shutting down; register again after it restarts")
+        if release and old is not None:
             old.release()
         return old is not None
+
+    @staticmethod
+    def _retire(reg: Registration) -> bool:
+        """Mark ``reg`` replaced or removed; True if nobody uses it (release it now)."""
+        reg.retired = True
+        return reg.users == 0
 
     def remove(self, instance_id: str, rank: int) -> bool:
         with self._lock:
             old = self._regs.pop((instance_id, rank), None)
-            if old is None:
-                return False
-            old.retired = True
-            release = old.users == 0
-        if release:
+            release = old is not None and self._retire(old)
+        if release and old is not None:
             old.release()
-        return True
+        return old is not None
 
     @contextmanager
     def acquire(self, instance_id: str, rank: int) -> Iterator[Registration]:

@@ -36,7 +36,7 @@ def register(body: RegisterRequest, runtime: RuntimeDep) -> RegisterResponse:
 
 
 @router.delete(
-    "/register/{instance_id}/{rank}",
+    "/register/{instance_id:path}/{rank}",
     status_code=204,
     response_class=Response,
     summary="Unregister a worker's KV caches",

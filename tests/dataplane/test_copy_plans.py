@@ -11,7 +11,7 @@ import torch
 from app.schemas import ShmTensor
 from dataplane.descriptors import tensor_geometry
 from dataplane.layout import BlockTensorSpec, ChunkLayout, GroupSpec, chunk_layout
-from dataplane.transfer import TensorPlan, gather_chunk, make_plan, scatter_chunk
+from dataplane.transfer import TensorPlan, block_runs, gather_chunk, make_plan, scatter_chunk
 
 
 def _plan_for(
@@ -58,14 +58,44 @@ def test_gather_then_scatter_moves_exact_bytes(
     dst_plan, _ = _plan_for(dst, block_dim)
     entry = torch.zeros(layout.chunk_bytes, dtype=torch.uint8)
 
-    copied = gather_chunk([plan], [np.array([3, 0, 7, 5])], entry)
-    assert copied == layout.regions[0].nbytes
-    written = scatter_chunk([dst_plan], [np.array([9, 0, 1, 2])], entry)
-    assert written == copied // 4 * 3  # the null slot is never written
-
     def blocks(t: torch.Tensor, ids: list[int]) -> list[torch.Tensor]:
         return [t.select(block_dim, i).contiguous().view(torch.uint8) for i in ids]
 
-    for a, b in zip(blocks(src, [3, 7, 5]), blocks(dst, [9, 1, 2]), strict=True):
-        assert torch.equal(a, b)
-    assert not dst.select(block_dim, 0).contiguous().view(torch.uint8).any()
+    for store_ids, load_ids in ID_PAIRS:
+        dst.zero_()
+        copied = gather_chunk([plan], [np.array(store_ids)], entry)
+        assert copied == layout.regions[0].nbytes
+        pairs = [(a, b) for a, b in zip(store_ids, load_ids, strict=True) if a and b]
+        written = scatter_chunk([dst_plan], [np.array(load_ids)], entry)
+        assert written == copied // 4 * sum(1 for b in load_ids if b)  # nulls never written
+        for a, b in zip(
+            blocks(src, [a for a, _ in pairs]), blocks(dst, [b for _, b in pairs]), strict=True
+        ):
+            assert torch.equal(a, b)
+        assert not dst.select(block_dim, 0).contiguous().view(torch.uint8).any()
+
+
+ID_PAIRS = [
+    ([3, 0, 7, 5], [9, 0, 1, 2]),  # fragmented: index kernels
+    ([4, 5, 6, 7], [8, 9, 10, 11]),  # one run each: slice copies
+    ([4, 5, 6, 7], [0, 0, 2, 3]),  # a run after nulls
+    ([1, 2, 0, 0], [5, 4, 3, 2]),  # run in, fragmented out
+]
+
+
+@pytest.mark.parametrize(
+    ("slots", "ids", "runs"),
+    [
+        pytest.param([0, 1, 2, 3], [4, 5, 6, 7], [(0, 4, 4)], id="one-run"),
+        pytest.param(list(range(8)), [1, 2, 3, 4, 9, 10, 11, 12], [(0, 1, 4), (4, 9, 4)], id="two"),
+        pytest.param([2, 3], [7, 8], [(2, 7, 2)], id="after-nulls"),
+        pytest.param([0, 2], [7, 8], None, id="slot-gap"),
+        pytest.param([0, 1, 2, 3], [4, 3, 2, 1], None, id="descending"),
+        pytest.param([0], [9], [(0, 9, 1)], id="single"),
+        pytest.param([], [], [], id="empty"),
+    ],
+)
+def test_block_runs(
+    slots: list[int], ids: list[int], runs: list[tuple[int, int, int]] | None
+) -> None:
+    assert block_runs(np.array(slots, dtype=np.int64), np.array(ids, dtype=np.int64)) == runs

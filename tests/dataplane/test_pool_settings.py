@@ -54,3 +54,21 @@ def test_default_pool_is_laptop_sized(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bad_pool_settings(overrides: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         Settings(**overrides)  # type: ignore[arg-type]
+
+
+def test_copy_threads_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    import torch
+
+    from dataplane.transfer import configure_copy_threads
+
+    before = torch.get_num_threads()
+    try:
+        assert configure_copy_threads(0) == max(1, min(4, os.cpu_count() or 1))
+        assert configure_copy_threads(3) == 3 and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    assert parse_settings(["server", "--copy-threads", "2"]).copy_threads == 2
+    with pytest.raises(ValueError):
+        Settings(copy_threads=-1)

@@ -189,3 +189,15 @@ def test_end_drops_sessions_and_metrics_count_the_traffic(
     assert metric(client, "mpcache_bytes_copied_total", op="store") == 8192
     assert metric(client, "mpcache_pool_capacity_bytes") == 4 << 20
     assert metric(client, "mpcache_pool_used_bytes") == 2 * 4096
+
+
+def test_instance_ids_with_slashes_unregister(
+    make_client: ClientFactory, shm_kv: KVFactory
+) -> None:
+    from urllib.parse import quote
+
+    client = make_client()
+    kv = shm_kv([vllm_layer("l0", 0, 8)])
+    post_ok(client, "/register", register_body(kv, "host-1/engine 0", GROUPS, chunk_size=CHUNK))
+    assert client.delete(f"/register/{quote('host-1/engine 0', safe='')}/0").status_code == 204
+    assert client.get("/health").json()["registrations"] == 0
