@@ -24,8 +24,11 @@ lint: venv
 openapi: venv
 	$(PY) scripts/gen_openapi.py
 
+# Ratios against a baseline measured in the same run (see README "Benchmarks").
 bench: venv
 	$(PY) bench/negotiate_bench.py
+	$(PY) bench/dataplane_bench.py
+	$(PY) bench/connector_bench.py
 
 clean:
 	rm -f $(VENV)

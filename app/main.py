@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 
 from app import __version__
-from app.problems import install_error_handlers
+from app.problems import install_error_handlers, problem_doc
 from app.routes import cache, control, register
 from app.settings import Settings
 from app.state import build_runtime
@@ -50,9 +51,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    app.include_router(control.router)
-    app.include_router(register.router)
-    app.include_router(cache.router)
+    # Every route answers malformed input with a problem body, not FastAPI's default.
+    malformed: dict[int | str, dict[str, Any]] = {422: problem_doc("Malformed request")}
+    for router in (control.router, register.router, cache.router):
+        app.include_router(router, responses=malformed)
     return app
 
 

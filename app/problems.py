@@ -11,12 +11,18 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.errors import MPCacheError, Unavailable
+from app.schemas import Problem
 
-__all__ = ["PROBLEM_MEDIA_TYPE", "install_error_handlers", "problem_response"]
+__all__ = ["PROBLEM_MEDIA_TYPE", "install_error_handlers", "problem_doc", "problem_response"]
 
 logger = logging.getLogger(__name__)
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
+
+
+def problem_doc(description: str) -> dict[str, Any]:
+    """OpenAPI entry for an error reply (a route's ``responses={status: ...}``)."""
+    return {"model": Problem, "content": {PROBLEM_MEDIA_TYPE: {}}, "description": description}
 
 
 def problem_response(

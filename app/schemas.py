@@ -10,10 +10,16 @@ Conventions (DESIGN s.4, s.5):
 - a ``namespace`` is the connector's identity for a model and KV layout
   (model name, layout digest, world size); with ``cache_salt`` and the chunk
   size it namespaces every chunk key;
-- ``block_ids[g][j]`` is the block of KV cache group ``g`` that holds tokens
-  ``[j * span_g, (j + 1) * span_g)`` of the request, ``span_g`` being the group's
-  token span from the registration; block id ``0`` is vLLM's null block and
-  means "no data here" (skipped on store, never written on retrieve).
+- ``block_ids[g][j]`` is the block of the ``g``-th *registered* group (the order of
+  ``RegisterRequest.groups``; scratch and transfer-disabled groups are never
+  registered, nor sent) that holds tokens ``[j * span_g, (j + 1) * span_g)`` of the
+  request, ``span_g`` being that group's token span; block id ``0`` is vLLM's null
+  block and means "no data here" (skipped on store, never written on retrieve);
+  positions past the end of a list count as null;
+- ``rank`` / ``world_size`` are numbered per server: with several servers (one per
+  node), a worker's rank is its position among the ranks that use its server, and
+  a lookup's ``world_size`` is how many ranks use that server. A chunk hits only
+  when every one of those ranks stored it.
 """
 
 from __future__ import annotations
@@ -69,7 +75,15 @@ NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
 
 
 class _Body(BaseModel):
+    """A request body: unknown fields are refused (a typo must not pass silently)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Reply(BaseModel):
+    """A reply body: unknown fields are ignored, so older clients read newer servers."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
 
 # --------------------------------------------------------------------------- errors
@@ -129,7 +143,7 @@ class NegotiateRequest(_Body):
     instance_id: str = Field("", max_length=256, description="Caller identity, for logs.")
 
 
-class NegotiateResponse(_Body):
+class NegotiateResponse(_Reply):
     model_config = ConfigDict(
         frozen=True,
         json_schema_extra={
@@ -150,7 +164,7 @@ class NegotiateResponse(_Body):
     boot_id: str = Field(description="Identity of this server process start.")
 
 
-class ChunkSizeResponse(_Body):
+class ChunkSizeResponse(_Reply):
     model_config = ConfigDict(
         frozen=True,
         json_schema_extra={
@@ -181,7 +195,7 @@ class ChunkSizeResponse(_Body):
     bindings: dict[str, BindingStatus] = Field(description="Binding name -> status.")
 
 
-class HealthResponse(_Body):
+class HealthResponse(_Reply):
     model_config = ConfigDict(
         frozen=True,
         json_schema_extra={
@@ -264,6 +278,38 @@ class LayerInfo(_Body):
 
 
 class RegisterRequest(_Body):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "instance_id": "engine-0",
+                    "rank": 0,
+                    "world_size": 1,
+                    "chunk_size": 256,
+                    "namespace": "meta-llama/Llama-3.1-8B@3f9a1c2b",
+                    "groups": [{"group_id": 0, "kind": "attention", "token_span": 16}],
+                    "layers": [
+                        {
+                            "name": "model.layers.0.self_attn.attn",
+                            "group_id": 0,
+                            "tensors": [
+                                {
+                                    "transport": "shm",
+                                    "segment": "mpcache-w-4242-r0_0_9f3a",
+                                    "offset_bytes": 0,
+                                    "shape": [2, 513, 16, 8, 128],
+                                    "stride": [8404992, 16384, 1024, 128, 1],
+                                    "dtype": "bfloat16",
+                                    "block_dim": 1,
+                                }
+                            ],
+                        }
+                    ],
+                }
+            ]
+        }
+    )
+
     instance_id: str = Field(min_length=1, max_length=256)
     rank: NonNegativeInt
     world_size: PositiveInt = 1
@@ -273,7 +319,22 @@ class RegisterRequest(_Body):
     layers: list[LayerInfo] = Field(min_length=1)
 
 
-class RegisterResponse(_Body):
+class RegisterResponse(_Reply):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "instance_id": "engine-0",
+                    "rank": 0,
+                    "chunk_size": 256,
+                    "num_layers": 32,
+                    "chunk_bytes": 33554432,
+                    "refreshed": False,
+                }
+            ]
+        }
+    )
+
     instance_id: str
     rank: int
     chunk_size: int
@@ -315,15 +376,37 @@ class LookupItem(TokenSpan):
 
 
 class LookupRequest(_Body):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "requests": [
+                        {
+                            "request_id": "req-7",
+                            "namespace": "meta-llama/Llama-3.1-8B@3f9a1c2b",
+                            "cache_salt": None,
+                            "tokens": [128000, 791, 4062, 14198],
+                            "world_size": 1,
+                        }
+                    ]
+                }
+            ]
+        }
+    )
+
     requests: list[LookupItem] = Field(max_length=4096)
 
 
-class LookupResult(_Body):
+class LookupResult(_Reply):
     request_id: str
     hit_tokens: int = Field(description="Leading tokens cached, whole chunks only.")
 
 
-class LookupResponse(_Body):
+class LookupResponse(_Reply):
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"results": [{"request_id": "req-7", "hit_tokens": 512}]}]}
+    )
+
     results: list[LookupResult]
 
 
@@ -339,35 +422,112 @@ class TransferItem(TokenSpan):
 
 
 class StoreRequest(_Body):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "instance_id": "engine-0",
+                    "rank": 0,
+                    "requests": [
+                        {
+                            "request_id": "req-7",
+                            "namespace": "meta-llama/Llama-3.1-8B@3f9a1c2b",
+                            "cache_salt": None,
+                            "tokens_b64": "AQAAAAIAAAADAAAA",
+                            "start_token": 0,
+                            "end_token": 512,
+                            "block_ids": [
+                                [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
+                            ],
+                        }
+                    ],
+                }
+            ]
+        }
+    )
+
     instance_id: str = Field(min_length=1, max_length=256)
     rank: NonNegativeInt
     requests: list[TransferItem] = Field(max_length=4096)
 
 
-class StoreResult(_Body):
+class StoreResult(_Reply):
     request_id: str
     stored_chunks: int = Field(description="Chunks copied into the cache.")
     present_chunks: int = Field(description="Chunks already cached, not copied again.")
     failed_chunks: int = Field(description="Chunks not stored (pool full, bad block).")
 
 
-class StoreResponse(_Body):
+class StoreResponse(_Reply):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "results": [
+                        {
+                            "request_id": "req-7",
+                            "stored_chunks": 2,
+                            "present_chunks": 0,
+                            "failed_chunks": 0,
+                        }
+                    ]
+                }
+            ]
+        }
+    )
+
     results: list[StoreResult]
 
 
 class RetrieveRequest(_Body):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "instance_id": "engine-0",
+                    "rank": 0,
+                    "requests": [
+                        {
+                            "request_id": "req-7",
+                            "namespace": "meta-llama/Llama-3.1-8B@3f9a1c2b",
+                            "cache_salt": None,
+                            "tokens_b64": "AQAAAAIAAAADAAAA",
+                            "start_token": 0,
+                            "end_token": 512,
+                            "block_ids": [
+                                [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
+                            ],
+                        }
+                    ],
+                }
+            ]
+        }
+    )
+
     instance_id: str = Field(min_length=1, max_length=256)
     rank: NonNegativeInt
     requests: list[TransferItem] = Field(max_length=4096)
 
 
-class RetrieveResult(_Body):
+class RetrieveResult(_Reply):
     request_id: str
     loaded_tokens: int = Field(description="Tokens loaded, contiguous from start_token.")
     failed_block_ids: list[int] = Field(description="Blocks not loaded: recompute them.")
 
 
-class RetrieveResponse(_Body):
+class RetrieveResponse(_Reply):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "results": [
+                        {"request_id": "req-7", "loaded_tokens": 256, "failed_block_ids": [11, 12]}
+                    ]
+                }
+            ]
+        }
+    )
+
     results: list[RetrieveResult]
 
 
@@ -375,24 +535,54 @@ CacheOpResult = LookupResult | StoreResult | RetrieveResult
 
 
 class EndSessionsRequest(_Body):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"request_ids": ["req-7", "req-8"]}]})
+
     request_ids: list[str] = Field(max_length=65536)
 
 
-class EndSessionsResponse(_Body):
+class EndSessionsResponse(_Reply):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"ended": 2}]})
+
     ended: int
 
 
 class BlendMatchRequest(TokenSpan):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "namespace": "meta-llama/Llama-3.1-8B@3f9a1c2b",
+                    "cache_salt": None,
+                    "tokens": [128000, 791, 4062, 14198],
+                }
+            ]
+        }
+    )
+
     namespace: str = Field(min_length=1, max_length=512)
     cache_salt: str | None = Field(None, max_length=256)
 
 
-class BlendChunk(_Body):
+class BlendChunk(_Reply):
     index: int
     start_token: int
     cached: bool
 
 
-class BlendMatchResponse(_Body):
+class BlendMatchResponse(_Reply):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "chunk_size": 256,
+                    "chunks": [
+                        {"index": 0, "start_token": 0, "cached": True},
+                        {"index": 1, "start_token": 256, "cached": False},
+                    ],
+                }
+            ]
+        }
+    )
+
     chunk_size: int
     chunks: list[BlendChunk]

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from app.deps import RuntimeDep
+from app.problems import problem_doc
 from app.schemas import (
     BlendMatchRequest,
     BlendMatchResponse,
@@ -14,7 +15,6 @@ from app.schemas import (
     EndSessionsResponse,
     LookupRequest,
     LookupResponse,
-    Problem,
     RetrieveRequest,
     RetrieveResponse,
     StoreRequest,
@@ -25,14 +25,11 @@ __all__ = ["router"]
 
 router = APIRouter(prefix="/cache", tags=["cache"])
 
-_PROBLEM: dict[str, Any] = {"model": Problem, "content": {"application/problem+json": {}}}
-_NOT_NEGOTIATED: dict[int | str, dict[str, Any]] = {
-    409: {**_PROBLEM, "description": "No final chunk size yet"}
-}
+_NOT_NEGOTIATED: dict[int | str, dict[str, Any]] = {409: problem_doc("No final chunk size yet")}
 _TRANSFER_ERRORS: dict[int | str, dict[str, Any]] = {
     **_NOT_NEGOTIATED,
-    404: {**_PROBLEM, "description": "No registration for this instance and rank"},
-    422: {**_PROBLEM, "description": "Malformed request, or an item that cannot be served"},
+    404: problem_doc("No registration for this instance and rank"),
+    422: problem_doc("Malformed request, or an item that cannot be served"),
 }
 
 
@@ -46,7 +43,7 @@ _TRANSFER_ERRORS: dict[int | str, dict[str, Any]] = {
         "for a short while so the retrieve that follows finds them. Tokens go as a JSON "
         "list or, more compactly, as `tokens_b64` (little-endian int32)."
     ),
-    responses={**_NOT_NEGOTIATED, 422: {**_PROBLEM, "description": "Malformed request"}},
+    responses={**_NOT_NEGOTIATED, 422: problem_doc("Malformed request")},
 )
 def lookup(body: LookupRequest, runtime: RuntimeDep) -> LookupResponse:
     return runtime.cache.lookup(body)
@@ -104,8 +101,8 @@ def end(body: EndSessionsRequest, runtime: RuntimeDep) -> EndSessionsResponse:
         "any position. Needs `--enable-blend`."
     ),
     responses={
-        409: {**_PROBLEM, "description": "Blend matcher disabled, or no final chunk size"},
-        422: {**_PROBLEM, "description": "Malformed request"},
+        409: problem_doc("Blend matcher disabled, or no final chunk size"),
+        422: problem_doc("Malformed request"),
     },
 )
 def blend_match(body: BlendMatchRequest, runtime: RuntimeDep) -> BlendMatchResponse:

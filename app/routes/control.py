@@ -8,12 +8,12 @@ from fastapi import APIRouter, Response
 
 from app import __version__
 from app.deps import RuntimeDep
+from app.problems import problem_doc
 from app.schemas import (
     ChunkSizeResponse,
     HealthResponse,
     NegotiateRequest,
     NegotiateResponse,
-    Problem,
 )
 
 __all__ = ["router"]
@@ -21,8 +21,6 @@ __all__ = ["router"]
 logger = logging.getLogger(__name__)
 
 router = APIRouter(tags=["control"])
-
-_PROBLEM = {"model": Problem, "content": {"application/problem+json": {}}}
 
 
 @router.post(
@@ -35,9 +33,9 @@ _PROBLEM = {"model": Problem, "content": {"application/problem+json": {}}}
         "only after the size is bound to every chunk-dependent part."
     ),
     responses={
-        409: {**_PROBLEM, "description": "Incompatible alignment, or resize after sessions"},
-        422: {**_PROBLEM, "description": "Malformed or out-of-range input"},
-        503: {**_PROBLEM, "description": "A binding failed; retry (resumes), see Retry-After"},
+        409: problem_doc("Incompatible alignment, or resize after sessions"),
+        422: problem_doc("Malformed or out-of-range input"),
+        503: problem_doc("A binding failed; retry (resumes), see Retry-After"),
     },
 )
 def negotiate(body: NegotiateRequest, runtime: RuntimeDep) -> NegotiateResponse:

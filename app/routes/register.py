@@ -6,13 +6,12 @@ from fastapi import APIRouter, Response
 
 from app.deps import RuntimeDep
 from app.errors import NotFound
-from app.schemas import Problem, RegisterRequest, RegisterResponse
+from app.problems import problem_doc
+from app.schemas import RegisterRequest, RegisterResponse
 
 __all__ = ["router"]
 
 router = APIRouter(tags=["registration"])
-
-_PROBLEM = {"model": Problem, "content": {"application/problem+json": {}}}
 
 
 @router.post(
@@ -27,8 +26,8 @@ _PROBLEM = {"model": Problem, "content": {"application/problem+json": {}}}
         "equal the server's final chunk size."
     ),
     responses={
-        409: {**_PROBLEM, "description": "No final chunk size yet, or a different one"},
-        422: {**_PROBLEM, "description": "Malformed request or invalid tensor descriptor"},
+        409: problem_doc("No final chunk size yet, or a different one"),
+        422: problem_doc("Malformed request or invalid tensor descriptor"),
     },
 )
 def register(body: RegisterRequest, runtime: RuntimeDep) -> RegisterResponse:
@@ -41,7 +40,7 @@ def register(body: RegisterRequest, runtime: RuntimeDep) -> RegisterResponse:
     response_class=Response,
     summary="Unregister a worker's KV caches",
     description="Release every mapping of the registration. 404 if there is none.",
-    responses={404: {**_PROBLEM, "description": "No such registration"}},
+    responses={404: problem_doc("No such registration")},
 )
 def unregister(instance_id: str, rank: int, runtime: RuntimeDep) -> Response:
     if not runtime.cache.unregister(instance_id, rank):
