@@ -6,7 +6,7 @@ cache with that server:
 
 - CPU tensors: their storages move into POSIX shm segments in place
   (``connector.shm``), so vLLM and the server use the same pages;
-- CUDA tensors: IPC handles (``connector.cuda_ipc``, Note [mpcache CUDA IPC]).
+- CUDA tensors: IPC handles (``connector.cuda_ipc``, Note [mpcache CUDA IPC invariants]).
 
 Each step makes at most one ``/cache/retrieve`` (``start_load_kv``) and one
 ``/cache/store`` (``wait_for_save``) call, batching every request of the step.
@@ -225,7 +225,7 @@ class WorkerAdapter:
         view, block_dim = _block_view(tensor, self.num_blocks)
         if view.device.type == "cuda":
             self._uses_cuda = True
-            return describe_cuda_tensor(view, block_dim)  # Note [mpcache CUDA IPC]
+            return describe_cuda_tensor(view, block_dim)  # Note [mpcache CUDA IPC invariants]
         if view.device.type != "cpu":
             raise LayoutError(f"KV tensors on {view.device} are not supported")
         storage = view.untyped_storage()
@@ -304,7 +304,7 @@ class WorkerAdapter:
 
     def _sync_device(self) -> None:
         if self._uses_cuda:
-            torch.cuda.current_stream().synchronize()  # Note [mpcache CUDA IPC]
+            torch.cuda.current_stream().synchronize()  # Note [mpcache CUDA IPC invariants]
 
     # ------------------------------------------------------------------- loads
 
