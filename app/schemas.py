@@ -421,7 +421,9 @@ class TransferItem(TokenSpan):
     block_ids: list[list[StrictInt]] = Field(description="Per group, the request's blocks.")
 
 
-class StoreRequest(_Body):
+class _TransferBatch(_Body):
+    """The transfers of one engine step for one registered worker (instance, rank)."""
+
     model_config = ConfigDict(
         json_schema_extra={
             "examples": [
@@ -449,6 +451,10 @@ class StoreRequest(_Body):
     instance_id: str = Field(min_length=1, max_length=256)
     rank: NonNegativeInt
     requests: list[TransferItem] = Field(max_length=4096)
+
+
+class StoreRequest(_TransferBatch):
+    """Copy whole chunks from the worker's registered KV cache into the cache."""
 
 
 class StoreResult(_Reply):
@@ -479,34 +485,8 @@ class StoreResponse(_Reply):
     results: list[StoreResult]
 
 
-class RetrieveRequest(_Body):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "examples": [
-                {
-                    "instance_id": "engine-0",
-                    "rank": 0,
-                    "requests": [
-                        {
-                            "request_id": "req-7",
-                            "namespace": "meta-llama/Llama-3.1-8B@3f9a1c2b",
-                            "cache_salt": None,
-                            "tokens_b64": "AQAAAAIAAAADAAAA",
-                            "start_token": 0,
-                            "end_token": 512,
-                            "block_ids": [
-                                [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
-                            ],
-                        }
-                    ],
-                }
-            ]
-        }
-    )
-
-    instance_id: str = Field(min_length=1, max_length=256)
-    rank: NonNegativeInt
-    requests: list[TransferItem] = Field(max_length=4096)
+class RetrieveRequest(_TransferBatch):
+    """Copy cached chunks into the worker's registered KV cache."""
 
 
 class RetrieveResult(_Reply):
