@@ -31,6 +31,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 __all__ = [
+    "MAX_WORLD_SIZE",
     "NULL_BLOCK_ID",
     "BindingStatus",
     "BlendChunk",
@@ -70,8 +71,14 @@ NULL_BLOCK_ID = 0
 
 BindingStatus = Literal["done", "pending", "failed", "disabled"]
 
+MAX_WORLD_SIZE = 4096
+"""Most ranks one server serves; bounds the work a lookup or registration can ask for."""
+
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
+TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31)]
+BlockId = Annotated[StrictInt, Field(ge=0, lt=2**62)]
+WorldSize = Annotated[StrictInt, Field(ge=1, le=MAX_WORLD_SIZE)]
 
 
 class _Body(BaseModel):
@@ -312,7 +319,7 @@ class RegisterRequest(_Body):
 
     instance_id: str = Field(min_length=1, max_length=256)
     rank: NonNegativeInt
-    world_size: PositiveInt = 1
+    world_size: WorldSize = 1
     chunk_size: PositiveInt = Field(description="The worker's negotiated chunk size.")
     namespace: str = Field(min_length=1, max_length=512)
     groups: list[GroupInfo] = Field(min_length=1)
@@ -349,7 +356,7 @@ class RegisterResponse(_Reply):
 class TokenSpan(_Body):
     """Token ids, as a JSON list or as base64 of little-endian int32 (compact)."""
 
-    tokens: list[StrictInt] | None = None
+    tokens: list[TokenId] | None = None
     tokens_b64: str | None = None
 
     @model_validator(mode="after")
@@ -361,18 +368,21 @@ class TokenSpan(_Body):
     def token_array(self) -> np.ndarray:
         """The tokens as an int32 numpy array (raises ValueError if malformed)."""
         if self.tokens is not None:
-            return np.asarray(self.tokens, dtype=np.int64).astype(np.int32)
+            return np.asarray(self.tokens, dtype=np.int32)  # bounded by TokenId
         raw = base64.b64decode(self.tokens_b64 or "", validate=True)
         if len(raw) % 4:
             raise ValueError("tokens_b64 must decode to a whole number of int32 values")
-        return np.frombuffer(raw, dtype="<i4")
+        tokens = np.frombuffer(raw, dtype="<i4")
+        if tokens.size and int(tokens.min()) < 0:
+            raise ValueError("tokens_b64 holds a negative token id")
+        return tokens
 
 
 class LookupItem(TokenSpan):
     request_id: str = Field(min_length=1, max_length=256)
     namespace: str = Field(min_length=1, max_length=512)
     cache_salt: str | None = Field(None, max_length=256)
-    world_size: PositiveInt = Field(1, description="A chunk hits only if every rank has it.")
+    world_size: WorldSize = Field(1, description="A chunk hits only if every rank has it.")
 
 
 class LookupRequest(_Body):
@@ -418,7 +428,7 @@ class TransferItem(TokenSpan):
     cache_salt: str | None = Field(None, max_length=256)
     start_token: NonNegativeInt = Field(description="First token; a chunk boundary.")
     end_token: NonNegativeInt = Field(description="End (exclusive); partial chunk ignored.")
-    block_ids: list[list[StrictInt]] = Field(description="Per group, the request's blocks.")
+    block_ids: list[list[BlockId]] = Field(description="Per group, the request's blocks.")
 
 
 class _TransferBatch(_Body):
@@ -451,6 +461,18 @@ class _TransferBatch(_Body):
     instance_id: str = Field(min_length=1, max_length=256)
     rank: NonNegativeInt
     requests: list[TransferItem] = Field(max_length=4096)
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        le=3600,
+        description=(
+            "How long the client waits for this reply. The server counts it from when it "
+            "received the request and, once it has passed, commits no further chunk and "
+            "writes no further block (the client may already have reused its blocks); "
+            "the chunks left are reported failed. Clients should send somewhat less than "
+            "their own timeout, to allow for transit."
+        ),
+    )
 
 
 class StoreRequest(_TransferBatch):

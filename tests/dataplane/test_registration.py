@@ -140,7 +140,17 @@ def test_cache_operations_need_a_final_chunk_size(make_client: ClientFactory) ->
         pytest.param({"start_token": 64, "end_token": 0}, "before start_token", id="end-before"),
         pytest.param({"block_ids": [[1], [2]]}, "block-id lists", id="group-count"),
         pytest.param({"block_ids": [[1, 2, 3, 8]]}, "[0, 8)", id="block-out-of-range"),
-        pytest.param({"block_ids": [[1, -2, 3, 4]]}, "[0, 8)", id="negative-block"),
+        pytest.param(
+            {"block_ids": [[1, -2, 3, 4]]}, "greater than or equal to 0", id="negative-block"
+        ),
+        pytest.param({"block_ids": [[1, 2**70]]}, "less than 4611686018427387904", id="huge-block"),
+        pytest.param(
+            {"tokens": [1, 2**40], "tokens_b64": None}, "less than 2147483648", id="huge-token"
+        ),
+        pytest.param(
+            {"tokens": [-1], "tokens_b64": None}, "greater than or equal to 0", id="negative-token"
+        ),
+        pytest.param({"tokens_b64": "/////w=="}, "negative token", id="negative-token-b64"),
         pytest.param({"tokens_b64": "!!"}, "bad tokens", id="bad-b64"),
     ],
 )
