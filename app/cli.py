@@ -61,10 +61,11 @@ def parse_settings(argv: Sequence[str]) -> Settings:
 def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_settings(sys.argv[1:] if argv is None else argv)
     from app.errors import SharedMemoryExhausted
-    from dataplane.segments import check_free_space, sweep_stale
+    from dataplane.segments import check_free_space, sweep_stale_segments
 
     try:
-        sweep_stale()  # a crashed server's pool must not count against the check
+        # Segments of crashed servers and workers must not count against the check.
+        sweep_stale_segments()
         check_free_space(settings.pool_size)
     except SharedMemoryExhausted as exc:
         raise SystemExit(f"mpcache: {exc.detail}") from exc

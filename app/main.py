@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from app import __version__
+from app.deps import ReceiptStamp
 from app.problems import install_error_handlers, problem_doc
 from app.routes import cache, control, register
 from app.settings import Settings
@@ -51,6 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
+    app.add_middleware(ReceiptStamp)  # store/retrieve deadlines count from its stamp
     # Every route answers malformed input with a problem body, not FastAPI's default.
     malformed: dict[int | str, dict[str, Any]] = {422: problem_doc("Malformed request")}
     for router in (control.router, register.router, cache.router):

@@ -302,7 +302,7 @@ class RegisterRequest(_Body):
                             "tensors": [
                                 {
                                     "transport": "shm",
-                                    "segment": "mpcache-w-4242-r0_0_9f3a",
+                                    "segment": "mpcache-w-4026531836-4242-r0_0_9f3a",
                                     "offset_bytes": 0,
                                     "shape": [2, 513, 16, 8, 128],
                                     "stride": [8404992, 16384, 1024, 128, 1],

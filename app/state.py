@@ -24,7 +24,7 @@ from app.settings import Settings
 from app.telemetry import Telemetry
 from dataplane.pool import Pool
 from dataplane.registry import Registry
-from dataplane.segments import POOL_PREFIX, segment_name, sweep_stale
+from dataplane.segments import segment_name, sweep_stale_segments
 from dataplane.service import CacheService
 from dataplane.transfer import configure_copy_threads
 
@@ -97,8 +97,8 @@ def build_runtime(settings: Settings) -> Runtime:
         telemetry,
     )
     configure_copy_threads(settings.copy_threads)
-    for name in sweep_stale(POOL_PREFIX):
-        logger.warning("removed the pool %s of a server that is gone", name)
+    # Pools of crashed servers and KV caches of crashed workers (each removal is logged).
+    sweep_stale_segments()
     pool = Pool.create(segment_name("pool"), settings.pool_size, settings.pool_page_size)
     try:
         registry = Registry()

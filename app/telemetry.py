@@ -38,6 +38,12 @@ class Telemetry:
         self.bytes_copied = Counter(
             "mpcache_bytes_copied", "Bytes copied by store and retrieve.", ["op"], registry=r
         )
+        self.transfer_timeouts = Counter(
+            "mpcache_transfer_timeouts",
+            "Store/retrieve calls cut short by their timeout_s.",
+            ["op"],
+            registry=r,
+        )
         self.pool_used_bytes = Gauge("mpcache_pool_used_bytes", "Pool bytes in use.", registry=r)
         self.pool_capacity_bytes = Gauge(
             "mpcache_pool_capacity_bytes", "Pool capacity in bytes.", registry=r

@@ -15,6 +15,13 @@ key                             meaning                      default
                                 on vLLM's thread (store,
                                 retrieve, register)
 ``mpcache.lookup_timeout``      seconds for one lookup       ``1``
+``mpcache.lookup_max_age``      seconds a lookup answer is   ``10``
+                                reused while a request waits
+                                for blocks; older answers are
+                                looked up again (renewing the
+                                server's lease on the hit
+                                chunks: keep it well below
+                                the server's --lease-ttl-s)
 ``mpcache.heartbeat_timeout``   seconds for one health ping  ``2``
 ``mpcache.startup_timeout``     seconds to keep retrying the ``30``
                                 first negotiation
@@ -46,6 +53,7 @@ _KNOWN_MPCACHE_KEYS = frozenset(
         "mpcache.heartbeat_interval",
         "mpcache.request_timeout",
         "mpcache.lookup_timeout",
+        "mpcache.lookup_max_age",
         "mpcache.heartbeat_timeout",
         "mpcache.startup_timeout",
         "mpcache.instance_id",
@@ -61,6 +69,7 @@ class ConnectorConfig:
     heartbeat_interval_s: float = 10.0
     request_timeout_s: float = 2.0
     lookup_timeout_s: float = 1.0
+    lookup_max_age_s: float = 10.0
     heartbeat_timeout_s: float = 2.0
     startup_timeout_s: float = 30.0
     instance_id: str | None = None
@@ -178,6 +187,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
         ),
         request_timeout_s=seconds(2.0, "mpcache.request_timeout"),
         lookup_timeout_s=seconds(1.0, "mpcache.lookup_timeout"),
+        lookup_max_age_s=seconds(10.0, "mpcache.lookup_max_age"),
         heartbeat_timeout_s=seconds(2.0, "mpcache.heartbeat_timeout"),
         startup_timeout_s=seconds(30.0, "mpcache.startup_timeout"),
         instance_id=instance_id.strip() if isinstance(instance_id, str) else None,

@@ -84,6 +84,9 @@ class ServerTimeout(ServerUnreachable):
 
 
 class _ProblemError(ServerError):
+    """An HTTP error reply: ``status`` and the problem body; ``retry_after_s`` from
+    the Retry-After header, when the server sent one."""
+
     def __init__(
         self,
         message: str,
@@ -91,10 +94,12 @@ class _ProblemError(ServerError):
         url: str,
         status: int,
         problem: dict[str, Any] | None = None,
+        retry_after_s: float | None = None,
     ) -> None:
         super().__init__(message, url=url)
         self.status = status
         self.problem: dict[str, Any] = problem or {}
+        self.retry_after_s = retry_after_s
 
     @property
     def detail(self) -> str:
@@ -110,19 +115,7 @@ class ServerRejected(_ProblemError):
 
 
 class ServerFailure(_ProblemError):
-    """The server failed (5xx); ``retry_after_s`` is set from Retry-After."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        url: str,
-        status: int,
-        problem: dict[str, Any] | None = None,
-        retry_after_s: float | None = None,
-    ) -> None:
-        super().__init__(message, url=url, status=status, problem=problem)
-        self.retry_after_s = retry_after_s
+    """The server failed (5xx); ``retry_after_s`` is set from Retry-After (503)."""
 
 
 class ProtocolError(ServerError):

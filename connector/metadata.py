@@ -78,6 +78,10 @@ class TransferOp:
             block_ids=self.block_ids,
         )
 
+    def nonnull_block_ids(self) -> set[int]:
+        """Every block the server may write for this op (all groups)."""
+        return {b for ids in self.block_ids for b in ids if b != NULL_BLOCK_ID}
+
     def touched_block_ids(self, spans: Sequence[int]) -> set[int]:
         """Non-null blocks covering ``[start_token, end_token)`` (for load failures)."""
         out: set[int] = set()
@@ -92,11 +96,17 @@ class TransferOp:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One engine step's cache work: loads before use, stores after the forward."""
+    """One engine step's cache work: loads before use, stores after the forward.
+
+    ``failed_loads`` are requests vLLM waits on (an accepted asynchronous load) whose
+    load could not be planned: every worker reports them finished and failed, so
+    vLLM recomputes them instead of waiting for ever.
+    """
 
     loads: tuple[TransferOp, ...] = ()
     stores: tuple[TransferOp, ...] = ()
     ended: tuple[str, ...] = field(default=())
+    failed_loads: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.stores)
+        return bool(self.loads or self.stores or self.failed_loads)

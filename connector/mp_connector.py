@@ -6,10 +6,16 @@ interface to the role adapters (``connector.scheduler``, ``connector.worker``) a
 keeps the rule that no connector call raises into vLLM's step loop: every step-time
 method catches what the adapter did not and degrades instead.
 
+mpcache is a best-effort cache: a load that fails is recomputed, never an error
+for the user's request. vLLM 0.33 defaults ``kv_load_failure_policy`` to ``"fail"``
+and reads it only after building the scheduler's connector, so the scheduler-role
+instance switches ``"fail"`` to ``"recompute"`` (with a warning) in its constructor.
+
 Use::
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "MPCacheConnector",
       "kv_connector_module_path": "connector", "kv_role": "kv_both",
+      "kv_load_failure_policy": "recompute",
       "kv_connector_extra_config": {"mpcache.server_urls": "http://127.0.0.1:8000"}}'
 """
 
@@ -38,7 +44,7 @@ from connector.scheduler import SchedulerAdapter
 from connector.worker import WorkerAdapter
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -53,6 +59,25 @@ logger = logging.getLogger("mpcache.connector")
 _EMPTY_PLAN = StepPlan()
 
 
+def _recompute_failed_loads(transfer: KVTransferConfig) -> None:
+    """Make vLLM recompute failed loads instead of failing the request.
+
+    vLLM's Scheduler reads ``kv_load_failure_policy`` right after it has built its
+    connector (vLLM 0.33 ``Scheduler.__init__``), so setting it here takes effect.
+    """
+    if transfer.kv_load_failure_policy != "fail":
+        return
+    transfer.kv_load_failure_policy = "recompute"
+    logger.warning(
+        "mpcache: kv_load_failure_policy 'fail' (vLLM's default) changed to 'recompute': "
+        "mpcache is a best-effort cache (a server restart or eviction can fail a load), "
+        "so a failed load is recomputed and never fails the request; 'fail' cannot be "
+        'had from it. Set "kv_load_failure_policy": "recompute" in '
+        "--kv-transfer-config to silence this (required when mpcache runs inside "
+        "MultiConnector, whose own setting this connector cannot change)."
+    )
+
+
 class MPCacheConnectorMetadata(KVConnectorMetadata):
     """The step's ``StepPlan``, shipped from the scheduler to every worker."""
 
@@ -63,7 +88,7 @@ class MPCacheConnectorMetadata(KVConnectorMetadata):
     def __repr__(self) -> str:
         return (
             f"MPCacheConnectorMetadata(loads={len(self.plan.loads)}, "
-            f"stores={len(self.plan.stores)})"
+            f"stores={len(self.plan.stores)}, failed_loads={len(self.plan.failed_loads)})"
         )
 
 
@@ -102,6 +127,7 @@ class MPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_adapter: SchedulerAdapter | None = None
         self.worker_adapter: WorkerAdapter | None = None
         if role == KVConnectorRole.SCHEDULER:
+            _recompute_failed_loads(transfer)
             self.scheduler_adapter = SchedulerAdapter(
                 self.mp_config,
                 self.layout,
@@ -193,10 +219,15 @@ class MPCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._swallow("wait_for_save", exc)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        finished, _failed = self._worker().take_transfer_results()
-        return None, finished or None
+        """Finished loads, for callers of vLLM's older API (vLLM 0.33's model runner
+        calls ``get_transfer_results``). Block-level load failures still reach vLLM
+        through ``get_block_ids_with_load_errors``; request-level ones cannot be
+        told apart from successes here, so they stay queued for
+        ``get_transfer_results`` rather than be reported as loaded."""
+        return None, self._worker().take_finished_loads() or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # vLLM's contract: failed receives appear in finished_recving too.
         finished, failed = self._worker().take_transfer_results()
         return KVConnectorTransferResults(
             finished_sending=set(), finished_recving=finished, failed_recving=failed

@@ -16,6 +16,15 @@ already holds the prompt (``stored_upto``, whole chunks). Each step
 Loads use vLLM's asynchronous-load protocol (``get_num_new_matched_tokens`` returns
 ``load_async=True``): the worker loads during the step and reports the request in
 ``finished_recving`` (or failed), which works for single- and multi-group layouts.
+vLLM waits for that report, so a load it accepted always reaches the plan: as a
+``TransferOp``, or in ``failed_loads`` when planning it failed. Store planning is
+guarded per request: one request's failure costs that request its stores, never
+the step's loads.
+
+A lookup answer is memoised while vLLM retries the request's admission (waiting for
+blocks), but for at most ``lookup_max_age_s``: the server's lease on the hit chunks
+(``--lease-ttl-s``, 30 s by default) is renewed by each lookup, so an older answer is
+looked up again before vLLM acts on it.
 
 Degraded mode (any lookup server unhealthy): lookups report 0 and no stores are
 planned; nothing here raises into vLLM, and every HTTP call has a short timeout.
@@ -25,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,16 +48,17 @@ from app.schemas import (
 from connector.alignment import KVLayout, check_chunk_size
 from connector.client import AsyncControlClient, ControlClient, TransportFactory
 from connector.config import ConnectorConfig
-from connector.errors import (
-    ConnectorError,
-    RecoveryError,
-    ServerError,
-    ServerRejected,
-    ServerUnreachable,
-)
+from connector.errors import ConnectorError, ServerError
 from connector.heartbeat import AsyncTransportFactory, Heartbeat
 from connector.metadata import StepPlan, TokenEncoder, TransferOp
-from connector.servers import ServerLink, agree_chunk_size, negotiate_until, ranks_of_server
+from connector.servers import (
+    ServerLink,
+    agree_chunk_size,
+    negotiate_request,
+    negotiate_until,
+    ranks_of_server,
+    renegotiate,
+)
 
 __all__ = ["SchedulerAdapter"]
 
@@ -60,14 +70,18 @@ class _RequestState:
     request: Any
     encoder: TokenEncoder = field(default_factory=TokenEncoder)
     block_ids: list[list[int]] = field(default_factory=list)
-    # Lookup memo for this admission: the answer is reused while vLLM retries.
+    # Lookup memo for this admission: the answer is reused while vLLM retries,
+    # until it is lookup_max_age_s old (clock time of the lookup in lookup_at).
     lookup_end: int = -1
+    lookup_at: float = 0.0
     hit_tokens: int = 0
     local_tokens: int = 0
     # Whole chunks the cache is known to hold from token 0.
     stored_upto: int = 0
     # (local, end) of a load vLLM accepted, until the plan carries it.
     pending_load: tuple[int, int] | None = None
+    # Store planning failed once: block ids may be stale, so never store again.
+    no_store: bool = False
 
 
 class SchedulerAdapter:
@@ -85,8 +99,10 @@ class SchedulerAdapter:
         transport: TransportFactory | None = None,
         async_transport: AsyncTransportFactory | None = None,
         start_heartbeat: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self._clock = clock
         self.layout = layout
         self.model = model
         self.instance_id = instance_id
@@ -145,11 +161,8 @@ class SchedulerAdapter:
     # ------------------------------------------------------------ negotiation
 
     def _negotiate_request(self) -> NegotiateRequest:
-        return NegotiateRequest(
-            required_alignment=self.alignment,
-            model=self.model[:512],
-            role="scheduler",
-            instance_id=self.instance_id[:256],
+        return negotiate_request(
+            self.alignment, model=self.model, role="scheduler", instance_id=self.instance_id
         )
 
     def _negotiate_all(self) -> int:
@@ -170,13 +183,9 @@ class SchedulerAdapter:
         return size
 
     async def _recover(self, link: ServerLink, client: AsyncControlClient) -> str:
-        reply = await client.negotiate(self._negotiate_request())
-        if reply.chunk_size != self.chunk_size:
-            raise RecoveryError(
-                f"after its restart the server answers chunk size {reply.chunk_size} for "
-                f"alignment {self.alignment}, but this engine runs with {self.chunk_size}; "
-                f"restart it with the same --chunk-size"
-            )
+        reply = await renegotiate(
+            client, self._negotiate_request(), self.chunk_size, holder="this engine"
+        )
         return reply.boot_id
 
     # ---------------------------------------------------------------- health
@@ -188,16 +197,15 @@ class SchedulerAdapter:
 
     def _call_failed(self, link: ServerLink, what: str, exc: ServerError) -> None:
         """A call on vLLM's thread failed: suspect the server, let the heartbeat judge."""
-        if isinstance(exc, ServerUnreachable) or (
-            isinstance(exc, ServerRejected) and exc.status in (404, 409)
-        ):
-            link.mark_unhealthy(f"{what} failed: {exc}")
+        if link.call_failed(what, exc):
             self.heartbeat.wake()
-            return
-        key = f"{what}:{type(exc).__name__}"
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning("mpcache %s on %s failed (reported once): %s", what, link.url, exc)
+
+    def _warn_once(self, key: str, message: str, *args: object, exc: BaseException) -> None:
+        """Log a planning failure with its traceback the first time, then at debug."""
+        first = key not in self._warned
+        self._warned.add(key)
+        level = logging.ERROR if first else logging.DEBUG
+        logger.log(level, message, *args, exc_info=exc if first else None)
 
     # ---------------------------------------------------------------- lookups
 
@@ -215,7 +223,9 @@ class SchedulerAdapter:
 
         The last prompt token is never counted (vLLM must compute it to sample). The
         answer for a request is memoised until vLLM allocates for it, so repeated
-        calls are cheap and consistent.
+        calls are cheap and consistent, but looked up again once it is
+        ``lookup_max_age_s`` old: that renews the server's lease on the hit chunks
+        and refreshes the hit count.
         """
         if not self.available:
             return 0, False
@@ -225,9 +235,11 @@ class SchedulerAdapter:
         if lookup_end <= num_computed_tokens:
             return 0, False
         st = self._state(request)
-        if st.lookup_end != lookup_end:
+        now = self._clock()
+        if st.lookup_end != lookup_end or now - st.lookup_at >= self.config.lookup_max_age_s:
             st.hit_tokens = self._lookup(st, lookup_end)
             st.lookup_end = lookup_end
+            st.lookup_at = now
         st.local_tokens = num_computed_tokens
         need = max(0, st.hit_tokens - num_computed_tokens)
         return need, need > 0
@@ -308,66 +320,112 @@ class SchedulerAdapter:
         end = limit // chunk * chunk
         if end <= st.stored_upto:
             return None
-        start = st.stored_upto
-        st.stored_upto = end
-        return TransferOp(
+        op = TransferOp(
             request_id=st.request.request_id,
-            start_token=start,
+            start_token=st.stored_upto,
             end_token=end,
             tokens_b64=st.encoder.encode(st.request.all_token_ids, end),
             block_ids=self._blocks_upto(st, end),
             cache_salt=getattr(st.request, "cache_salt", None),
         )
+        st.stored_upto = end
+        return op
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
-        """This step's loads and stores; resets the per-step state."""
-        loads: list[TransferOp] = []
-        for request_id in self._loads:
-            st = self._requests.get(request_id)
-            if st is None or st.pending_load is None:
-                continue
-            op = self._load_op(st, *st.pending_load)
-            st.pending_load = None
-            if op is not None:
-                loads.append(op)
-        self._loads.clear()
+        """This step's loads and stores; resets the per-step state.
 
+        Loads are planned first and always returned: a request whose store planning
+        fails loses its stores (for good: its block ids may be stale), not the step.
+        """
+        loads, failed_loads = self._plan_loads()
         stores: list[TransferOp] = []
         store = self.available
         scheduled: Mapping[str, int] = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._requests.get(new.req_id)
-            if st is None:
+            if st is None or st.no_store:
                 continue
-            st.block_ids = [list(ids) for ids in new.block_ids]
-            if store:
-                op = self._store_op(st, new.num_computed_tokens + scheduled.get(new.req_id, 0))
-                if op is not None:
-                    stores.append(op)
+            try:
+                st.block_ids = [list(ids) for ids in new.block_ids]
+                if store:
+                    computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+                    self._add_store(stores, st, computed)
+            except Exception as exc:
+                self._store_planning_failed(st, exc)
         cached = scheduler_output.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for i, request_id in enumerate(cached.req_ids):
             st = self._requests.get(request_id)
-            if st is None:
+            if st is None or st.no_store:
                 continue
-            new_ids: Sequence[list[int]] | None = cached.new_block_ids[i]
-            if new_ids is not None:
-                if request_id in resumed or not st.block_ids:
-                    st.block_ids = [list(ids) for ids in new_ids]
-                else:
-                    for g, ids in enumerate(new_ids):
-                        st.block_ids[g].extend(ids)
-            if store:
-                computed = cached.num_computed_tokens[i] + scheduled.get(request_id, 0)
-                op = self._store_op(st, computed)
-                if op is not None:
-                    stores.append(op)
+            try:
+                new_ids: Sequence[list[int]] | None = cached.new_block_ids[i]
+                if new_ids is not None:
+                    if request_id in resumed or not st.block_ids:
+                        st.block_ids = [list(ids) for ids in new_ids]
+                    else:
+                        for g, ids in enumerate(new_ids):
+                            st.block_ids[g].extend(ids)
+                if store:
+                    computed = cached.num_computed_tokens[i] + scheduled.get(request_id, 0)
+                    self._add_store(stores, st, computed)
+            except Exception as exc:
+                self._store_planning_failed(st, exc)
 
         ended = tuple(self._ended)
         self._ended.clear()
         if ended:
-            self._send_end(ended)
-        return StepPlan(loads=tuple(loads), stores=tuple(stores), ended=ended)
+            try:
+                self._send_end(ended)
+            except Exception as exc:  # the server's sessions expire on their own
+                self._warn_once("end", "mpcache: ending sessions failed", exc=exc)
+        return StepPlan(
+            loads=tuple(loads),
+            stores=tuple(stores),
+            ended=ended,
+            failed_loads=tuple(failed_loads),
+        )
+
+    def _plan_loads(self) -> tuple[list[TransferOp], list[str]]:
+        """(loads, loads that could not be planned) for every load vLLM accepted."""
+        loads: list[TransferOp] = []
+        failed: list[str] = []
+        for request_id in self._loads:
+            st = self._requests.get(request_id)
+            if st is None or st.pending_load is None:
+                continue
+            pending, st.pending_load = st.pending_load, None
+            try:
+                op = self._load_op(st, *pending)
+            except Exception as exc:
+                self._warn_once(
+                    "load planning",
+                    "mpcache: planning the load of %s failed; vLLM recomputes it",
+                    request_id,
+                    exc=exc,
+                )
+                failed.append(request_id)
+                continue
+            if op is not None:
+                loads.append(op)
+            else:
+                failed.append(request_id)  # nothing to load, yet vLLM waits for a report
+        self._loads.clear()
+        return loads, failed
+
+    def _add_store(self, stores: list[TransferOp], st: _RequestState, computed: int) -> None:
+        op = self._store_op(st, computed)
+        if op is not None:
+            stores.append(op)
+
+    def _store_planning_failed(self, st: _RequestState, exc: Exception) -> None:
+        st.no_store = True
+        self._warn_once(
+            "store planning",
+            "mpcache: planning the store of %s failed; that request is not stored",
+            st.request.request_id,
+            exc=exc,
+        )
 
     # --------------------------------------------------------------- finishing
 

@@ -2,8 +2,12 @@
 
 ``ServerLink`` pairs a server's blocking client with the health this adapter
 believes it has. It is shared by vLLM's thread (reads ``healthy``; marks the
-server suspect when a call fails) and the heartbeat thread (pings, recovers,
-marks healthy), so transitions take a lock and each one is logged once.
+server suspect when a call fails, ``call_failed``) and the heartbeat thread (pings,
+recovers, marks healthy), so transitions take a lock and each one is logged once.
+
+The rules both adapters share live here too: the negotiation body
+(``negotiate_request``), the exact-size check when re-joining a restarted server
+(``renegotiate``) and which failed calls make a server suspect (``call_failed``).
 """
 
 from __future__ import annotations
@@ -12,21 +16,26 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Literal
 
 from app.schemas import NegotiateRequest, NegotiateResponse
-from connector.client import ControlClient
+from connector.client import AsyncControlClient, ControlClient
 from connector.errors import (
     ConnectorError,
+    RecoveryError,
     ServerError,
     ServerRejected,
+    ServerUnreachable,
     StartupError,
 )
 
 __all__ = [
     "ServerLink",
     "agree_chunk_size",
+    "negotiate_request",
     "negotiate_until",
     "ranks_of_server",
+    "renegotiate",
     "server_for_rank",
 ]
 
@@ -44,6 +53,7 @@ class ServerLink:
         self._healthy = False
         self._boot_id: str | None = None
         self._last_failure: str | None = None
+        self._warned: set[str] = set()
 
     @property
     def healthy(self) -> bool:
@@ -81,6 +91,31 @@ class ServerLink:
                 reason,
             )
 
+    def call_failed(self, what: str, exc: ServerError, *, force: bool = False) -> bool:
+        """A call on vLLM's thread failed; True when the server is now suspect.
+
+        Unreachable, or 404/409 (the server forgot us or changed: a restart), or
+        ``force``: the server is marked unhealthy and the caller should wake the
+        heartbeat, which judges and recovers it. Anything else (a 5xx, a 422) fails
+        that call only; it is logged once per kind of call and error.
+        """
+        if (
+            force
+            or isinstance(exc, ServerUnreachable)
+            or (isinstance(exc, ServerRejected) and exc.status in (404, 409))
+        ):
+            self.mark_unhealthy(f"{what} failed: {exc}")
+            return True
+        key = f"{what}:{type(exc).__name__}"
+        with self._lock:
+            first = key not in self._warned
+            self._warned.add(key)
+        if first:
+            logger.warning(
+                "mpcache %s: %s on %s failed (reported once): %s", self.role, what, self.url, exc
+            )
+        return False
+
     def note_recovery_failure(self, reason: str) -> None:
         """Record a failed recovery; logged when the reason changes, not every ping."""
         with self._lock:
@@ -94,6 +129,36 @@ class ServerLink:
                 self.url,
                 reason,
             )
+
+
+def negotiate_request(
+    alignment: int, *, model: str, role: Literal["scheduler", "worker"], instance_id: str
+) -> NegotiateRequest:
+    """The negotiation body of an adapter (bookkeeping fields cut to the schema's bounds)."""
+    return NegotiateRequest(
+        required_alignment=alignment,
+        model=model[:512],
+        role=role,
+        instance_id=instance_id[:256],
+    )
+
+
+async def renegotiate(
+    client: AsyncControlClient, request: NegotiateRequest, chunk_size: int, *, holder: str
+) -> NegotiateResponse:
+    """Re-negotiate with a restarted server (DESIGN s.3, steps 1-2).
+
+    Raises ``RecoveryError`` unless the server answers exactly ``chunk_size``, the size
+    ``holder`` (e.g. "this engine") already runs with.
+    """
+    reply = await client.negotiate(request)
+    if reply.chunk_size != chunk_size:
+        raise RecoveryError(
+            f"after its restart the server answers chunk size {reply.chunk_size} for "
+            f"alignment {request.required_alignment}, but {holder} runs with {chunk_size}; "
+            "restart it with the same --chunk-size"
+        )
+    return reply
 
 
 def negotiate_until(

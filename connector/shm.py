@@ -13,8 +13,11 @@ at ``storage_offset() * element_size()`` (the descriptor's ``offset_bytes``).
 Ownership: the creating worker owns the *name* and is the only one to unlink it
 (``unlink``, at shutdown). The *mapping* is owned by the torch storage (its data
 pointer keeps the mmap alive), so vLLM's tensors stay valid after the unlink. The
-server only maps and unmaps. Names carry the creator's pid (``mpcache-w-<pid>-...``)
-so a sweep of stale segments can tell live owners from dead ones.
+server only maps and unmaps. Names carry the creator's PID namespace and pid
+(``mpcache-w-<pidns>-<pid>-...``) so a sweep of stale segments can tell live owners
+from dead ones; names, prefixes, the free-space check and the sweep are defined once,
+in ``dataplane.segments``, and re-exported here. A worker may call
+``sweep_stale_worker_segments()`` at its start to remove segments of crashed workers.
 
 posix_ipc and OS errors are translated into ``SegmentError`` here, and only here.
 """
@@ -29,22 +32,38 @@ from collections.abc import Iterator
 
 import torch
 
+from app.errors import SharedMemoryExhausted
 from connector.errors import SegmentError
+from dataplane.segments import (
+    SEGMENT_PREFIX,
+    WORKER_PREFIX,
+    check_free_space,
+    sweep_stale_worker_segments,
+)
+from dataplane.segments import segment_name as _segment_name
 
-__all__ = ["SEGMENT_PREFIX", "WORKER_PREFIX", "ShmKVSegment", "segment_name"]
+__all__ = [
+    "SEGMENT_PREFIX",
+    "WORKER_PREFIX",
+    "ShmKVSegment",
+    "segment_name",
+    "sweep_stale_worker_segments",
+]
 
-SEGMENT_PREFIX = "mpcache-"
-WORKER_PREFIX = "mpcache-w-"
-_SHM_DIR = "/dev/shm"
+_SPACE_ADVICE = (
+    "enlarge /dev/shm (e.g. docker --shm-size) or lower --gpu-memory-utilization / "
+    "--kv-cache-memory"
+)
 
 
 def segment_name(rank: int, index: int) -> str:
-    """A fresh name ``mpcache-w-<pid>-r<rank>_<index>_<random>`` (no leading slash).
+    """A fresh name ``mpcache-w-<pidns>-<pid>-r<rank>_<index>_<random>`` (no leading slash).
 
-    The server's scheme is ``mpcache-<kind>-<pid>-<token>``: it maps only
-    ``mpcache-w-`` names and sweeps one only when its ``<pid>`` is dead.
+    The server's scheme is ``mpcache-<kind>-<pidns>-<pid>-<token>``
+    (``dataplane.segments``): it maps only ``mpcache-w-`` names and sweeps one only
+    when its ``<pidns>`` is its own and its ``<pid>`` is dead.
     """
-    return f"{WORKER_PREFIX}{os.getpid()}-r{rank}_{index}_{secrets.token_hex(3)}"
+    return _segment_name("w", token=f"r{rank}_{index}_{secrets.token_hex(3)}")
 
 
 @contextlib.contextmanager
@@ -55,20 +74,6 @@ def _translate(name: str, action: str) -> Iterator[None]:
         yield
     except (posix_ipc.Error, OSError, ValueError) as exc:
         raise SegmentError(f"shared-memory segment {name!r}: {action} failed: {exc}") from exc
-
-
-def _check_free_space(nbytes: int) -> None:
-    try:
-        stats = os.statvfs(_SHM_DIR)
-    except OSError:
-        return  # not Linux-style tmpfs; posix_fallocate below still guards
-    free = stats.f_bavail * stats.f_frsize
-    if free < nbytes:
-        raise SegmentError(
-            f"{_SHM_DIR} has {free} bytes free but the KV cache needs {nbytes}; enlarge "
-            "/dev/shm (e.g. docker --shm-size) or lower --gpu-memory-utilization / "
-            "--kv-cache-memory"
-        )
 
 
 class ShmKVSegment:
@@ -89,7 +94,10 @@ class ShmKVSegment:
             raise SegmentError(f"cannot place an empty storage in segment {name!r}")
         if storage.device.type != "cpu":
             raise SegmentError(f"only CPU storages go to shared memory, got {storage.device}")
-        _check_free_space(nbytes)
+        try:
+            check_free_space(nbytes, advice=_SPACE_ADVICE)
+        except SharedMemoryExhausted as exc:
+            raise SegmentError(exc.detail) from exc
         segment = cls(name, nbytes)
         created = False
         try:

@@ -1,6 +1,7 @@
 """Worker-side adapter: KV cache registration and the step's batched loads/stores.
 
-Runs in each vLLM worker process. It negotiates with its own server (chosen by rank,
+Runs in each vLLM worker process. At start it unlinks KV segments left by crashed
+workers (best effort), negotiates with its own server (chosen by rank,
 ``connector.servers.server_for_rank``), then ``register_kv_caches`` shares the KV
 cache with that server:
 
@@ -15,6 +16,20 @@ same step; a failed one is reported through ``take_load_errors`` (single-group
 layouts: the exact blocks) or ``take_transfer_results`` (multi-group layouts: the
 request) so vLLM recomputes it. While the server is unhealthy or the caches are not
 registered, stores are skipped and loads are reported failed; nothing raises.
+If anything unexpected escapes a load (a CUDA error, a bad reply), every load of
+the step is reported failed before the error propagates, never finished with
+unwritten blocks.
+
+Timeouts (the rule for every call that hands blocks to the server): a store or
+retrieve waits ``request_timeout_s`` (``T``) for its reply, counted by httpx from
+when the request has been sent; once it gives up, vLLM reuses the blocks. So the
+call carries ``timeout_s = server_budget_s(T) = 0.75 * T`` and the server, counting
+from receipt, commits no further chunk and writes no further block once that budget
+has passed (``app.schemas`` ``_TransferBatch.timeout_s``). The server stops at about
+``send + transit + 0.75 * T``, before the client gives up at ``send + T``, as long as
+the one-way transit plus the chunk copy in flight at the deadline take less than
+``0.25 * T`` (0.5 s with the default ``T`` of 2 s). A call without this budget, or a
+client timeout shorter than the one the budget was computed from, breaks the rule.
 """
 
 from __future__ import annotations
@@ -40,37 +55,79 @@ from connector.alignment import KVLayout, check_chunk_size
 from connector.client import AsyncControlClient, ControlClient, TransportFactory
 from connector.config import ConnectorConfig
 from connector.cuda_ipc import describe_cuda_tensor, dtype_name
-from connector.errors import (
-    ConnectorError,
-    LayoutError,
-    RecoveryError,
-    ServerError,
-    ServerRejected,
-    ServerUnreachable,
-    StartupError,
-)
+from connector.errors import ConnectorError, LayoutError, ServerError, StartupError
 from connector.heartbeat import AsyncTransportFactory, Heartbeat
 from connector.metadata import StepPlan, TransferOp
-from connector.servers import ServerLink, negotiate_until, ranks_of_server, server_for_rank
-from connector.shm import ShmKVSegment, segment_name
+from connector.servers import (
+    ServerLink,
+    negotiate_request,
+    negotiate_until,
+    ranks_of_server,
+    renegotiate,
+    server_for_rank,
+)
+from connector.shm import ShmKVSegment, segment_name, sweep_stale_worker_segments
 
-__all__ = ["WorkerAdapter"]
+__all__ = ["SERVER_BUDGET_FRACTION", "WorkerAdapter", "server_budget_s"]
 
 logger = logging.getLogger("mpcache.connector")
 
+SERVER_BUDGET_FRACTION = 0.75
+"""Share of a store/retrieve call's client timeout the server may spend on it."""
+
+_MAX_SERVER_BUDGET_S = 3600.0  # the schema's bound on timeout_s
+
+
+def server_budget_s(client_timeout_s: float) -> float:
+    """The ``timeout_s`` to send with a call the client waits ``client_timeout_s`` for.
+
+    Strictly less than the client's timeout, leaving a quarter of it for transit and
+    the chunk in flight (see the module docstring).
+    """
+    return min(SERVER_BUDGET_FRACTION * client_timeout_s, _MAX_SERVER_BUDGET_S)
+
 
 def _block_view(tensor: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, int]:
-    """``tensor`` (or a view of it) and the dimension that indexes vLLM blocks."""
-    for dim, size in enumerate(tensor.shape):
-        if size == num_blocks:
-            return tensor, dim
-    if tensor.dim() and tensor.shape[0] % num_blocks == 0:
-        # Kernel-block split: manager block b is rows [b*r, (b+1)*r) of dim 0.
-        return tensor.view(num_blocks, -1, *tensor.shape[1:]), 0
+    """``tensor`` (or a view of it) and the dimension that indexes vLLM blocks.
+
+    vLLM's known layouts are tried before any size matching, so a dimension that
+    happens to equal ``num_blocks`` (2 KV planes, the head count) is not mistaken
+    for the block dimension:
+
+    1. ``[2, num_blocks, block_size, heads, head_size]`` (5 dims, K/V first): dim 1,
+       even when ``num_blocks == 2``;
+    2. blocks first: vLLM 0.33's ``[blocks, heads, slots, bytes]`` per-layer views,
+       ``[num_blocks, 2, ...]``, MLA and Mamba state: dim 0;
+    3. ``[2, num_blocks, ...]`` at any other rank: dim 1;
+    4. kernel-block split (vLLM ``group_kernel_blocks``): dim 0 holds
+       ``num_blocks * r`` kernel blocks, manager block ``b`` being rows
+       ``[b*r, (b+1)*r)``: viewed as ``[num_blocks, r, ...]``, dim 0.
+    """
+    shape = tuple(tensor.shape)
+    if len(shape) == 5 and shape[0] == 2 and shape[1] == num_blocks:
+        return tensor, 1
+    if shape and shape[0] == num_blocks:
+        return tensor, 0
+    if len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks:
+        return tensor, 1
+    if shape and num_blocks > 0 and shape[0] % num_blocks == 0:
+        return tensor.view(num_blocks, -1, *shape[1:]), 0
     raise LayoutError(
-        f"no dimension of a KV tensor of shape {tuple(tensor.shape)} indexes the "
-        f"{num_blocks} KV cache blocks"
+        f"no dimension of a KV tensor of shape {shape} indexes the {num_blocks} KV "
+        "cache blocks in a layout mpcache knows ([num_blocks, ...], "
+        "[2, num_blocks, ...] or kernel blocks [num_blocks * r, ...])"
     )
+
+
+def _sweep_stale_segments(rank: int) -> None:
+    """Unlink KV segments left by crashed workers; best effort, never raises."""
+    try:
+        removed = sweep_stale_worker_segments()
+    except Exception as exc:
+        logger.warning("mpcache worker rank %d: sweeping stale segments failed: %s", rank, exc)
+        return
+    if removed:
+        logger.info("mpcache worker rank %d: removed %d stale segment(s)", rank, len(removed))
 
 
 class WorkerAdapter:
@@ -100,6 +157,7 @@ class WorkerAdapter:
         self.world_size = world_size
         self.num_blocks = num_blocks
         self.alignment = layout.required_alignment
+        _sweep_stale_segments(rank)
         self._spans = [g.token_span for g in layout.cacheable_groups]
         self._single_group = len(layout.groups) == 1
         url = server_for_rank(config.server_urls, rank, world_size)
@@ -141,7 +199,6 @@ class WorkerAdapter:
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._load_errors: set[int] = set()
-        self._warned: set[str] = set()
         self.heartbeat = Heartbeat(
             [self.link],
             interval_s=config.heartbeat_interval_s,
@@ -155,11 +212,11 @@ class WorkerAdapter:
         logger.info("mpcache worker rank %d: chunk size %d with %s", rank, self.chunk_size, url)
 
     def _negotiate_request(self) -> NegotiateRequest:
-        return NegotiateRequest(
-            required_alignment=self.alignment,
-            model=self.model[:512],
+        return negotiate_request(
+            self.alignment,
+            model=self.model,
             role="worker",
-            instance_id=f"{self.instance_id}/{self.rank}"[:256],
+            instance_id=f"{self.instance_id}/{self.rank}",
         )
 
     # ----------------------------------------------------------- registration
@@ -265,13 +322,12 @@ class WorkerAdapter:
         self.registered = True
 
     async def _recover(self, link: ServerLink, client: AsyncControlClient) -> str:
-        reply = await client.negotiate(self._negotiate_request())
-        if reply.chunk_size != self.chunk_size:
-            raise RecoveryError(
-                f"after its restart the server answers chunk size {reply.chunk_size} for "
-                f"alignment {self.alignment}, but this worker's KV cache is registered "
-                f"with {self.chunk_size}; restart it with the same --chunk-size"
-            )
+        reply = await renegotiate(
+            client,
+            self._negotiate_request(),
+            self.chunk_size,
+            holder="this worker's registered KV cache",
+        )
         if self.registration is not None:
             await client.register(self.registration)
             self.registered = True
@@ -284,23 +340,8 @@ class WorkerAdapter:
         return self.link.healthy and self.registered
 
     def _call_failed(self, what: str, exc: ServerError, *, force: bool = False) -> None:
-        if (
-            force
-            or isinstance(exc, ServerUnreachable)
-            or (isinstance(exc, ServerRejected) and exc.status in (404, 409))
-        ):
-            self.link.mark_unhealthy(f"{what} failed: {exc}")
+        if self.link.call_failed(what, exc, force=force):
             self.heartbeat.wake()
-        key = f"{what}:{type(exc).__name__}"
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning(
-                "mpcache worker rank %d: %s on %s failed (reported once): %s",
-                self.rank,
-                what,
-                self.link.url,
-                exc,
-            )
 
     def _sync_device(self) -> None:
         if self._uses_cuda:
@@ -309,23 +350,42 @@ class WorkerAdapter:
     # ------------------------------------------------------------------- loads
 
     def start_load(self, plan: StepPlan) -> None:
-        """Load the step's chunks (one batched call); record results for vLLM."""
+        """Load the step's chunks (one batched call); record results for vLLM.
+
+        Every load is reported finished this step. One that may have left blocks
+        unwritten is reported failed too, including when an unexpected error
+        escapes (it is re-raised after every load of the step is marked failed).
+        """
+        if plan.failed_loads:
+            # Loads the scheduler accepted but could not plan: request-level failures.
+            self._finished_recving.update(plan.failed_loads)
+            self._failed_recving.update(plan.failed_loads)
         loads = plan.loads
         if not loads:
             return
         self._finished_recving.update(op.request_id for op in loads)
+        try:
+            self._load(loads)
+        except BaseException:
+            for op in loads:
+                self._fail_load(op, op.nonnull_block_ids())
+            raise
+
+    def _load(self, loads: Sequence[TransferOp]) -> None:
         if not self.available:
             for op in loads:
                 self._fail_load(op, op.touched_block_ids(self._spans))
             return
+        timeout_s = self.config.request_timeout_s
         body = RetrieveRequest(
             instance_id=self.instance_id,
             rank=self.server_rank,
             requests=[op.to_item(self.namespace) for op in loads],
+            timeout_s=server_budget_s(timeout_s),
         )
         self._sync_device()
         try:
-            reply = self.link.client.retrieve(body)
+            reply = self.link.client.retrieve(body, timeout_s=timeout_s)
         except ServerError as exc:
             self._call_failed("retrieve", exc)
             for op in loads:
@@ -358,10 +418,22 @@ class WorkerAdapter:
             self._failed_recving.add(op.request_id)
 
     def take_transfer_results(self) -> tuple[set[str], set[str]]:
-        """(finished loads, failed loads) since the last call."""
+        """(finished loads, failed loads) since the last call; failed ones are in both."""
         finished, failed = self._finished_recving, self._failed_recving
         self._finished_recving, self._failed_recving = set(), set()
         return finished, failed
+
+    def take_finished_loads(self) -> set[str]:
+        """Finished loads for a caller that cannot take request-level failures.
+
+        vLLM's older ``get_finished`` reports finished ids only. A load that failed
+        by blocks is still reported through ``take_load_errors``, so it is returned
+        here; one that failed as a request (``failed_recving``) would read as a
+        success, so it stays queued for the next ``take_transfer_results``.
+        """
+        finished = self._finished_recving - self._failed_recving
+        self._finished_recving = set(self._failed_recving)
+        return finished
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -374,14 +446,16 @@ class WorkerAdapter:
         stores = plan.stores
         if not stores or not self.available:
             return
+        timeout_s = self.config.request_timeout_s
         body = StoreRequest(
             instance_id=self.instance_id,
             rank=self.server_rank,
             requests=[op.to_item(self.namespace) for op in stores],
+            timeout_s=server_budget_s(timeout_s),
         )
         self._sync_device()
         try:
-            reply = self.link.client.store(body)
+            reply = self.link.client.store(body, timeout_s=timeout_s)
         except ServerError as exc:
             self._call_failed("store", exc)
             return

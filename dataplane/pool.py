@@ -10,8 +10,11 @@ lock, then ``commit`` makes the entry visible in one step (or ``abort`` frees it
 A second store of a key that is pending or cached is told it is ``PRESENT``.
 
 Eviction: least recently used first, never an entry that is pinned (a retrieve is
-copying out of it) or leased (a lookup promised it to a request). Pinned entries
-that are replaced stay readable until unpinned, so no reader sees a torn chunk.
+copying out of it) or leased (a lookup promised it to a request), and planned
+before it starts: entries are evicted only when that frees a large enough run of
+contiguous pages, and then only the ones under that run (``_evict_for``). Pinned
+entries that are replaced stay readable until unpinned, so no reader sees a torn
+chunk.
 
 Leases are held per holder (a request id) with a deadline, so a lease that its
 session never released (a crashed client) lapses on its own.
@@ -72,7 +75,22 @@ class PageAllocator:
                 return start
         return None
 
-    def free(self, start: int, n: int) -> None:
+    def copy(self) -> PageAllocator:
+        """An independent allocator in the same state (for planning)."""
+        clone = PageAllocator(self.num_pages)
+        clone._starts = list(self._starts)
+        clone._lengths = list(self._lengths)
+        clone.free_pages = self.free_pages
+        return clone
+
+    def runs_within(self, start: int, end: int) -> list[tuple[int, int]]:
+        """Free runs ``(start, length)`` that begin in ``[start, end)``."""
+        i = bisect.bisect_left(self._starts, start)
+        j = bisect.bisect_left(self._starts, end)
+        return list(zip(self._starts[i:j], self._lengths[i:j], strict=True))
+
+    def free(self, start: int, n: int) -> tuple[int, int]:
+        """Free ``[start, start + n)``; return the free run ``(start, length)`` now holding it."""
         i = bisect.bisect_left(self._starts, start)
         if (i < len(self._starts) and self._starts[i] < start + n) or (
             i > 0 and self._starts[i - 1] + self._lengths[i - 1] > start
@@ -88,6 +106,8 @@ class PageAllocator:
         if i > 0 and self._starts[i - 1] + self._lengths[i - 1] == start:
             self._lengths[i - 1] += self._lengths[i]
             del self._starts[i], self._lengths[i]
+            i -= 1
+        return self._starts[i], self._lengths[i]
 
     def largest_run(self) -> int:
         return max(self._lengths, default=0)
@@ -294,8 +314,9 @@ class Pool:
         """Reserve a pending entry, or say the chunk is ``PRESENT``, or None if no room.
 
         A cached entry of the same layout is replaced only when the new store holds
-        strictly more slots (e.g. a sliding-window block it lacked); otherwise the
-        first writer wins.
+        every slot it holds and more (a strict superset, e.g. a sliding-window block
+        it lacked), so a replacement never loses a slot; otherwise the first writer
+        wins.
         """
         if nbytes < 1:
             raise ValueError(f"nbytes must be >= 1, got {nbytes}")
@@ -309,7 +330,11 @@ class Pool:
             if ident in self._pending:
                 return PRESENT
             current = self._index.get(ident)
-            if current is not None and (current.layout != layout or not present & ~current.present):
+            if current is not None and (
+                current.layout != layout
+                or present == current.present
+                or current.present & ~present  # would lose a slot the cached entry has
+            ):
                 self._lru.move_to_end(ident)
                 return PRESENT
             first_page = self._alloc.alloc(num_pages)
@@ -385,18 +410,54 @@ class Pool:
             self._alloc.free(entry.first_page, entry.num_pages)
 
     def _evict_for(self, num_pages: int, evicted: list[Entry]) -> int | None:
-        """Evict LRU entries until ``num_pages`` contiguous pages are free."""
+        """Evict entries so that ``num_pages`` contiguous pages are free; or evict nothing.
+
+        The eviction is planned before anything is evicted. Evictable entries (not
+        pinned, not leased) are freed one at a time, least recently used first, in a
+        copy of the page map, until a free run of ``num_pages`` pages forms: of all
+        windows that could be freed, those in that run have the oldest newest
+        victim. Then only the entries under the window of that run that holds the
+        fewest of them are evicted. If no run ever forms (e.g. a pinned or leased
+        page splits every window), nothing is evicted and None is returned.
+        """
         now = self._clock()
-        for ident in list(self._lru):
-            entry = self._lru[ident]
+        scratch = self._alloc.copy()
+        freed: list[Entry] = []
+        run: tuple[int, int] | None = None
+        for entry in self._lru.values():
             if entry.pins or self._leased(entry.key, now):
                 continue
+            freed.append(entry)
+            run_start, run_len = scratch.free(entry.first_page, entry.num_pages)
+            if run_len >= num_pages:
+                run = run_start, run_start + run_len
+                break
+        if run is None:
+            return None
+        run_start, run_end = run
+        inside = [e for e in freed if run_start <= e.first_page < run_end]
+        # A window can slide left to the start of the first piece it touches without
+        # touching more entries, so windows starting at a piece are enough to try.
+        starts = {e.first_page for e in inside}
+        starts.update(s for s, _ in self._alloc.runs_within(run_start, run_end))
+        best: list[Entry] | None = None
+        for start in sorted(starts):
+            if start + num_pages > run_end:
+                break
+            victims = [
+                e
+                for e in inside
+                if e.first_page < start + num_pages and start < e.first_page + e.num_pages
+            ]
+            if best is None or len(victims) < len(best):
+                best = victims
+        assert best is not None  # the run's first piece starts a window that fits
+        for entry in best:
             self._detach(entry)
             evicted.append(entry)
-            start = self._alloc.alloc(num_pages)
-            if start is not None:
-                return start
-        return None
+        # Every other free run is shorter than num_pages (first fit failed), so this
+        # lands in the run just freed.
+        return self._alloc.alloc(num_pages)
 
     def _notify(self, entries: Sequence[Entry], reason: DropReason) -> None:
         if entries and self.on_drop is not None:

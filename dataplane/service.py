@@ -20,6 +20,12 @@ Semantics (``app.schemas`` has the wire shapes):
   caller's layout *and* holds every block the caller needs (its non-null block
   ids); ``loaded_tokens`` counts those; every non-null block of the chunks after
   that, up to the last whole chunk, is listed in ``failed_block_ids``.
+- ``timeout_s`` on store and retrieve: the deadline is the request's receipt time
+  (stamped on the event loop, ``app.deps``) plus ``timeout_s``. Store checks it
+  before copying each chunk and again after, before commit: a chunk whose copy
+  ended late is aborted, never made visible (the client may have reused those
+  blocks while it was copied). Retrieve checks it before writing each chunk. What
+  is left once it has passed is reported failed.
 - Store and retrieve items must use their registration's namespace, start on a
   chunk boundary, carry one block-id list per registered group (in registration
   order) and only block ids the registered tensors hold; otherwise the whole call
@@ -33,6 +39,7 @@ under the former and takes the latter); the pool never calls back into sessions.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -94,6 +101,7 @@ class CacheService:
         registry: Registry,
         final_size: Callable[[], int | None],
         lease_ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._hasher = hasher
         self._sessions = sessions
@@ -103,6 +111,7 @@ class CacheService:
         self.registry = registry
         self._final_size = final_size
         self._lease_ttl_s = lease_ttl_s
+        self._clock = clock  # deadlines: the clock ``received_at`` stamps are taken on
         sessions.on_release = self._on_session_release
         pool.on_drop = self._on_pool_drop
         telemetry.pool_capacity_bytes.set(pool.capacity_bytes)
@@ -131,6 +140,14 @@ class CacheService:
         if size is None:
             raise NotNegotiated("no chunk size is final yet; negotiate first (POST /negotiate)")
         return size
+
+    def _deadline(self, timeout_s: float | None, received_at: float | None) -> float | None:
+        if timeout_s is None:
+            return None
+        return (self._clock() if received_at is None else received_at) + timeout_s
+
+    def _expired(self, deadline: float | None) -> bool:
+        return deadline is not None and self._clock() >= deadline
 
     @staticmethod
     def _tokens(span: TokenSpan, request_id: str) -> np.ndarray:
@@ -242,9 +259,11 @@ class CacheService:
 
     def lookup(self, req: LookupRequest) -> LookupResponse:
         size = self._size()
+        # Decode every item first: a malformed one refuses the call before any
+        # session is opened or lease taken.
+        token_arrays = [self._tokens(item, item.request_id) for item in req.requests]
         results = []
-        for item in req.requests:
-            tokens = self._tokens(item, item.request_id)
+        for item, tokens in zip(req.requests, token_arrays, strict=True):
             session, keys = self._sessions.keys_for(
                 item.request_id, item.namespace, item.cache_salt, tokens
             )
@@ -261,23 +280,43 @@ class CacheService:
             results.append(LookupResult(request_id=item.request_id, hit_tokens=hits * size))
         return LookupResponse(results=results)
 
-    def store(self, req: StoreRequest) -> StoreResponse:
+    def store(self, req: StoreRequest, *, received_at: float | None = None) -> StoreResponse:
+        """Store the batch; ``received_at`` (monotonic) starts ``req.timeout_s``."""
         size = self._size()
+        deadline = self._deadline(req.timeout_s, received_at)
         with self.registry.acquire(req.instance_id, req.rank) as reg:
             items = self._check_items(reg, req.requests, size)
-            results = [self._store_item(reg, it, size) for it in items]
+            results = [self._store_item(reg, it, size, deadline) for it in items]
         self._update_pool_gauges()
-        return StoreResponse(results=results)
+        late = sum(r.failed_chunks for r, timed_out in results if timed_out)
+        if any(timed_out for _, timed_out in results):
+            self._telemetry.transfer_timeouts.labels("store").inc()
+            logger.warning(
+                "store for %r rank %d passed its %.3gs deadline: %d chunk(s) not stored",
+                req.instance_id,
+                req.rank,
+                req.timeout_s,
+                late,
+            )
+        return StoreResponse(results=[r for r, _ in results])
 
-    def _store_item(self, reg: Registration, it: _Item, size: int) -> StoreResult:
+    def _store_item(
+        self, reg: Registration, it: _Item, size: int, deadline: float | None
+    ) -> tuple[StoreResult, bool]:
+        """The item's result, and whether the deadline cut it short."""
         item = it.item
         _, keys = self._sessions.keys_for(
             item.request_id, item.namespace, item.cache_salt, it.tokens
         )
         stored = present = failed = 0
         copied = 0
+        timed_out = False
         chunks = self._chunk_range(it, keys, size)
         for chunk in chunks:
+            if self._expired(deadline):
+                timed_out = True
+                failed = chunks.stop - chunk
+                break
             ids = self._chunk_ids(reg, it, chunk)
             mask = slot_mask(ids)
             content_key = None
@@ -309,43 +348,74 @@ class CacheService:
             except BaseException:
                 self.pool.abort(entry)
                 raise
+            if self._expired(deadline):
+                # The client has given up and may have reused these blocks while they
+                # were copied: the bytes may be torn, so they are never committed.
+                self.pool.abort(entry)
+                timed_out = True
+                failed = chunks.stop - chunk
+                break
             self.pool.commit(entry)
             if content_key is not None:
                 self._blend.add(content_key)
             stored += 1
         self._telemetry.chunks_stored.inc(stored)
         self._telemetry.bytes_copied.labels("store").inc(copied)
-        return StoreResult(
+        result = StoreResult(
             request_id=item.request_id,
             stored_chunks=stored,
             present_chunks=present,
             failed_chunks=failed,
         )
+        return result, timed_out
 
-    def retrieve(self, req: RetrieveRequest) -> RetrieveResponse:
+    def retrieve(
+        self, req: RetrieveRequest, *, received_at: float | None = None
+    ) -> RetrieveResponse:
+        """Retrieve the batch; ``received_at`` (monotonic) starts ``req.timeout_s``."""
         size = self._size()
+        deadline = self._deadline(req.timeout_s, received_at)
         with self.registry.acquire(req.instance_id, req.rank) as reg:
             items = self._check_items(reg, req.requests, size)
-            results = [self._retrieve_item(reg, it, size) for it in items]
-        return RetrieveResponse(results=results)
+            results = [self._retrieve_item(reg, it, size, deadline) for it in items]
+        late = sum(len(r.failed_block_ids) for r, timed_out in results if timed_out)
+        if any(timed_out for _, timed_out in results):
+            self._telemetry.transfer_timeouts.labels("retrieve").inc()
+            logger.warning(
+                "retrieve for %r rank %d passed its %.3gs deadline: %d block(s) not loaded",
+                req.instance_id,
+                req.rank,
+                req.timeout_s,
+                late,
+            )
+        return RetrieveResponse(results=[r for r, _ in results])
 
-    def _retrieve_item(self, reg: Registration, it: _Item, size: int) -> RetrieveResult:
+    def _retrieve_item(
+        self, reg: Registration, it: _Item, size: int, deadline: float | None
+    ) -> tuple[RetrieveResult, bool]:
+        """The item's result, and whether the deadline cut it short."""
         item = it.item
         _, keys = self._sessions.keys_for(
             item.request_id, item.namespace, item.cache_salt, it.tokens
         )
         chunks = self._chunk_range(it, keys, size)
         pinned: list[tuple[list[np.ndarray], Entry]] = []
-        for chunk in chunks:
-            ids = self._chunk_ids(reg, it, chunk)
-            entry = self.pool.pin(keys[chunk], reg.rank, reg.layout.signature, slot_mask(ids))
-            if entry is None:
-                break
-            pinned.append((ids, entry))
+        timed_out = self._expired(deadline)
+        if not timed_out:
+            for chunk in chunks:
+                ids = self._chunk_ids(reg, it, chunk)
+                entry = self.pool.pin(keys[chunk], reg.rank, reg.layout.signature, slot_mask(ids))
+                if entry is None:
+                    break
+                pinned.append((ids, entry))
         loaded = 0
         copied = 0
         try:
             for ids, entry in pinned:
+                if self._expired(deadline):
+                    # The client has given up and may reuse its blocks: write no more.
+                    timed_out = True
+                    break
                 try:
                     copied += scatter_chunk(reg.plans, ids, self.pool.view(entry))
                 except Exception:
@@ -364,11 +434,12 @@ class CacheService:
                         seen.add(block)
                         failed.append(block)
         self._telemetry.bytes_copied.labels("retrieve").inc(copied)
-        return RetrieveResult(
+        result = RetrieveResult(
             request_id=item.request_id,
             loaded_tokens=loaded * size,
             failed_block_ids=failed,
         )
+        return result, timed_out
 
     def end(self, req: EndSessionsRequest) -> EndSessionsResponse:
         ended = self._sessions.end(req.request_ids)

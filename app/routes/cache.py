@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from app.deps import RuntimeDep
+from app.deps import ReceivedAtDep, RuntimeDep
 from app.problems import problem_doc
 from app.schemas import (
     BlendMatchRequest,
@@ -56,12 +56,14 @@ def lookup(body: LookupRequest, runtime: RuntimeDep) -> LookupResponse:
     description=(
         "For each request, the whole chunks in `[start_token, end_token)`: each group's "
         "blocks (null block ids skipped) are copied into the cache pool. All-or-nothing "
-        "per chunk; a chunk already cached is not copied again (`present_chunks`)."
+        "per chunk; a chunk already cached is not copied again (`present_chunks`). With "
+        "`timeout_s`, no chunk is committed once that long has passed since the request "
+        "arrived (a copy that ends late is discarded); the rest count as `failed_chunks`."
     ),
     responses=_TRANSFER_ERRORS,
 )
-def store(body: StoreRequest, runtime: RuntimeDep) -> StoreResponse:
-    return runtime.cache.store(body)
+def store(body: StoreRequest, runtime: RuntimeDep, received: ReceivedAtDep) -> StoreResponse:
+    return runtime.cache.store(body, received_at=received)
 
 
 @router.post(
@@ -73,12 +75,15 @@ def store(body: StoreRequest, runtime: RuntimeDep) -> StoreResponse:
         "block ids (null ids are never written). `loaded_tokens` counts the tokens "
         "loaded, contiguous from `start_token`; `failed_block_ids` lists the blocks that "
         "were not loaded, to be recomputed. A chunk lacking data the caller needs is a "
-        "miss, never partial data."
+        "miss, never partial data. With `timeout_s`, no chunk's copy starts once that "
+        "long has passed since the request arrived; the blocks left are listed as failed."
     ),
     responses=_TRANSFER_ERRORS,
 )
-def retrieve(body: RetrieveRequest, runtime: RuntimeDep) -> RetrieveResponse:
-    return runtime.cache.retrieve(body)
+def retrieve(
+    body: RetrieveRequest, runtime: RuntimeDep, received: ReceivedAtDep
+) -> RetrieveResponse:
+    return runtime.cache.retrieve(body, received_at=received)
 
 
 @router.post(

@@ -39,6 +39,8 @@ class FakeServer:
         self.lock = threading.Lock()
         self.up = True
         self.calls: list[tuple[str, str, Any]] = []
+        # Per call: the httpx timeouts the client gave it (connect/read/write/pool).
+        self.client_timeouts: list[tuple[str, dict[str, float | None]]] = []
         self.fail_next: dict[str, httpx.Response] = {}
         self._boot()
 
@@ -71,6 +73,7 @@ class FakeServer:
             path = request.url.path
             body = json.loads(request.content) if request.content else None
             self.calls.append((request.method, path, body))
+            self.client_timeouts.append((path, dict(request.extensions.get("timeout", {}))))
             injected = self.fail_next.pop(path, None)
             if injected is not None:
                 return injected

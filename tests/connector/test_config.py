@@ -69,6 +69,7 @@ def test_server_urls(extra: dict[str, Any], urls: tuple[str, ...]) -> None:
         ),
         pytest.param({"mpcache.request_timeout": " 0.25 "}, "request_timeout_s", 0.25, id="req"),
         pytest.param({"mpcache.lookup_timeout": 0.1}, "lookup_timeout_s", 0.1, id="lookup"),
+        pytest.param({"mpcache.lookup_max_age": "4"}, "lookup_max_age_s", 4.0, id="lookup-age"),
         pytest.param(
             {"mpcache.heartbeat_timeout": "1"}, "heartbeat_timeout_s", 1.0, id="hb-timeout"
         ),
@@ -92,6 +93,7 @@ def test_coercion(extra: dict[str, Any], field: str, value: object) -> None:
         pytest.param({"mpcache.request_timeout": -1}, "mpcache.request_timeout", id="negative"),
         pytest.param({"mpcache.lookup_timeout": "inf"}, "mpcache.lookup_timeout", id="inf"),
         pytest.param({"mpcache.lookup_timeout": True}, "mpcache.lookup_timeout", id="bool"),
+        pytest.param({"mpcache.lookup_max_age": 0}, "mpcache.lookup_max_age", id="age-zero"),
         pytest.param({"mpcache.server_urls": ""}, "mpcache.server_urls", id="empty"),
         pytest.param({"mpcache.server_urls": 5}, "mpcache.server_urls", id="not-list"),
         pytest.param({"mpcache.server_urls": "ftp://x"}, "mpcache.server_urls", id="scheme"),

@@ -16,13 +16,25 @@ from app.schemas import CudaIpcTensor, TransferItem
 from connector import cuda_ipc
 from connector.alignment import layout_from_groups
 from connector.client import ControlClient
-from connector.errors import ServerFailure, ServerRejected, StartupError
+from connector.errors import (
+    ProtocolError,
+    RecoveryError,
+    ServerError,
+    ServerFailure,
+    ServerRejected,
+    ServerTimeout,
+    ServerUnreachable,
+    StartupError,
+)
 from connector.identity import namespace_for
 from connector.metadata import StepPlan, TokenEncoder, TransferOp, encode_tokens
 from connector.servers import (
+    ServerLink,
     agree_chunk_size,
+    negotiate_request,
     negotiate_until,
     ranks_of_server,
+    renegotiate,
     server_for_rank,
 )
 from tests.connector.fakes import AttnSpec, FakeServer, Group
@@ -133,6 +145,66 @@ def test_negotiate_gives_up_at_deadline_and_never_retries_4xx() -> None:
             negotiate_until(client, NegotiateRequest(required_alignment=16), 1e18)
     finally:
         client.close()
+
+
+_URL = "http://fake:8000"
+
+
+@pytest.mark.parametrize(
+    ("exc", "force", "suspect"),
+    [
+        pytest.param(ServerUnreachable("refused", url=_URL), False, True, id="unreachable"),
+        pytest.param(ServerTimeout("slow", url=_URL), False, True, id="timeout"),
+        pytest.param(ServerRejected("gone", url=_URL, status=404), False, True, id="404"),
+        pytest.param(ServerRejected("changed", url=_URL, status=409), False, True, id="409"),
+        pytest.param(ServerRejected("bad body", url=_URL, status=422), False, False, id="422"),
+        pytest.param(ServerFailure("boom", url=_URL, status=500), False, False, id="500"),
+        pytest.param(ProtocolError("odd reply", url=_URL), False, False, id="protocol"),
+        pytest.param(ServerRejected("bad body", url=_URL, status=422), True, True, id="forced"),
+    ],
+)
+def test_which_failed_calls_make_a_server_suspect(
+    exc: ServerError, force: bool, suspect: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One rule for both adapters (connector.servers.ServerLink.call_failed)."""
+    client = ControlClient(_URL, timeout_s=1, transport=FakeServer().transport())
+    link = ServerLink(_URL, client, role="test")
+    link.mark_healthy("boot")
+    try:
+        assert link.call_failed("store", exc, force=force) is suspect
+        assert link.call_failed("store", exc, force=force) is suspect
+    finally:
+        client.close()
+    assert link.healthy is not suspect
+    once = [r for r in caplog.records if "reported once" in r.getMessage()]
+    assert len(once) == (0 if suspect else 1)
+
+
+def test_negotiate_request_fits_the_schema() -> None:
+    body = negotiate_request(96, model="m" * 600, role="worker", instance_id="i" * 300)
+    assert (body.required_alignment, body.role) == (96, "worker")
+    assert (len(body.model), len(body.instance_id)) == (512, 256)
+
+
+def test_renegotiate_requires_the_exact_size() -> None:
+    import asyncio
+
+    from connector.client import AsyncControlClient
+
+    fake = FakeServer(min_chunk_size=64)
+
+    async def rejoin(expected: int) -> int:
+        client = AsyncControlClient(fake.url, timeout_s=1, transport=fake.transport())
+        try:
+            request = negotiate_request(16, model="m", role="scheduler", instance_id="e")
+            reply = await renegotiate(client, request, expected, holder="this engine")
+            return reply.chunk_size
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(rejoin(64)) == 64
+    with pytest.raises(RecoveryError, match=r"answers chunk size 64 .* this engine runs with 128"):
+        asyncio.run(rejoin(128))
 
 
 # ----------------------------------------------------------------------- CUDA IPC

@@ -6,6 +6,7 @@ import base64
 import logging
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from connector.alignment import layout_from_groups
 from connector.client import ControlClient
 from connector.config import ConnectorConfig
 from connector.errors import StartupError
-from connector.metadata import TransferOp
+from connector.metadata import StepPlan, TransferOp
 from connector.scheduler import SchedulerAdapter
 from tests.connector.fakes import (
     AttnSpec,
@@ -59,6 +60,7 @@ def make(
     heartbeat: bool = False,
     interval: float = 0.05,
     world_size: int = 1,
+    **extra: Any,
 ) -> SchedulerAdapter:
     config = ConnectorConfig(
         server_urls=tuple(s.url for s in servers),
@@ -78,6 +80,7 @@ def make(
         transport=_router(*servers),  # type: ignore[arg-type]
         async_transport=_router(*servers),  # type: ignore[arg-type]
         start_heartbeat=heartbeat,
+        **extra,
     )
     made.append(adapter)
     return adapter
@@ -395,3 +398,132 @@ def test_multi_server_lookup_needs_every_server(adapters: list[SchedulerAdapter]
     assert adapter.get_num_new_matched_tokens(FakeRequest("B", list(prompt)), 0) == (0, False)
     _store(b, plan.stores)
     assert adapter.get_num_new_matched_tokens(FakeRequest("C", list(prompt)), 0) == (192, True)
+
+
+# ------------------------------------------------------ lookup age, guarded plans
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _computed(adapter: SchedulerAdapter, server: FakeServer, prompt: list[int], end: int) -> None:
+    """Run request "W" through one step that computes (and stores) ``end`` tokens."""
+    w = FakeRequest(f"W{end}", list(prompt))
+    adapter.get_num_new_matched_tokens(w, 0)
+    blocks = list(range(1, 14))
+    adapter.update_state_after_alloc(w, FakeBlocks((blocks,)), 0)
+    plan = adapter.build_connector_meta(
+        StepOutput([NewReq(w.request_id, (blocks,), 0)], num_scheduled_tokens={w.request_id: end})
+    )
+    _store(server, plan.stores)
+    adapter.request_finished(w)
+
+
+def test_old_lookup_is_looked_up_again(adapters: list[SchedulerAdapter]) -> None:
+    """A memo older than lookup_max_age_s is refreshed: the server's lease on the hit
+    chunks is renewed and the hit count is current when vLLM finally allocates."""
+    server = FakeServer(min_chunk_size=64)
+    clock = FakeClock()
+    adapter = make(adapters, server, clock=clock)
+    assert adapter.config.lookup_max_age_s == 10.0
+    prompt = _tokens(200)
+    _computed(adapter, server, prompt, 64)
+
+    b = FakeRequest("B", list(prompt))
+    lookups = server.paths().count("POST /cache/lookup")
+    assert adapter.get_num_new_matched_tokens(b, 0) == (64, True)
+    _computed(adapter, server, prompt, 192)  # more chunks arrive while B waits
+    clock.now += 9
+    assert adapter.get_num_new_matched_tokens(b, 0) == (64, True)  # memo still young
+    assert server.paths().count("POST /cache/lookup") == lookups + 2  # B once, W192 once
+    clock.now += 1
+    assert adapter.get_num_new_matched_tokens(b, 0) == (192, True)  # looked up again
+    assert server.paths().count("POST /cache/lookup") == lookups + 3
+    clock.now += 5
+    assert adapter.get_num_new_matched_tokens(b, 0) == (192, True)
+    assert server.paths().count("POST /cache/lookup") == lookups + 3
+
+    blocks = list(range(20, 33))
+    adapter.update_state_after_alloc(b, FakeBlocks((blocks,)), 192)
+    (load,) = adapter.build_connector_meta(StepOutput()).loads
+    assert (load.start_token, load.end_token) == (0, 192)
+
+
+def _three_requests(adapter: SchedulerAdapter, server: FakeServer) -> list[int]:
+    """C waits for a load of 128 cached tokens; A and B are new, computing 128 each."""
+    prompt = _tokens(200)
+    _computed(adapter, server, prompt, 128)
+    c = FakeRequest("C", list(prompt))
+    assert adapter.get_num_new_matched_tokens(c, 0) == (128, True)
+    adapter.update_state_after_alloc(c, FakeBlocks((list(range(40, 53)),)), 128)
+    for rid, seed in (("A", 1), ("B", 2)):
+        r = FakeRequest(rid, _tokens(200, seed))
+        adapter.get_num_new_matched_tokens(r, 0)
+        adapter.update_state_after_alloc(r, FakeBlocks((list(range(1, 14)),)), 0)
+    return list(range(1, 14))
+
+
+def test_store_planning_failure_costs_that_request_only(
+    adapters: list[SchedulerAdapter],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server)
+    blocks = _three_requests(adapter, server)
+    real_store_op = adapter._store_op
+
+    def store_op(st: Any, computed: int) -> TransferOp | None:
+        if st.request.request_id == "A":
+            raise OverflowError("token id out of int32 range")
+        return real_store_op(st, computed)
+
+    monkeypatch.setattr(adapter, "_store_op", store_op)
+    step = StepOutput(
+        [NewReq("A", (blocks,), 0), NewReq("B", (blocks,), 0)],
+        num_scheduled_tokens={"A": 128, "B": 128},
+    )
+    with caplog.at_level(logging.DEBUG, logger="mpcache.connector"):
+        plan = adapter.build_connector_meta(step)
+        assert [op.request_id for op in plan.loads] == ["C"]  # the load is not lost
+        assert [(op.request_id, op.end_token) for op in plan.stores] == [("B", 128)]
+
+        later = StepOutput(
+            scheduled_cached_reqs=CachedReqs(["A", "B"], set(), [None, None], [128, 128]),
+            num_scheduled_tokens={"A": 64, "B": 64},
+        )
+        plan = adapter.build_connector_meta(later)
+    assert [(op.request_id, op.end_token) for op in plan.stores] == [("B", 192)]  # A: never
+    errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(errors) == 1 and "planning the store of A failed" in errors[0].message
+    assert errors[0].exc_info is not None
+
+
+def test_load_planning_failure_is_reported_not_lost(
+    adapters: list[SchedulerAdapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM waits for every accepted async load: one that cannot be planned goes to
+    failed_loads (the workers report it failed), the others still load."""
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server)
+    _three_requests(adapter, server)
+    d = FakeRequest("D", _tokens(200))
+    assert adapter.get_num_new_matched_tokens(d, 64) == (64, True)
+    adapter.update_state_after_alloc(d, FakeBlocks((list(range(60, 73)),)), 64)
+    real_load_op = adapter._load_op
+
+    def load_op(st: Any, local: int, end: int) -> TransferOp | None:
+        if st.request.request_id == "D":
+            raise IndexError("block ids of a group missing")
+        return real_load_op(st, local, end)
+
+    monkeypatch.setattr(adapter, "_load_op", load_op)
+    plan = adapter.build_connector_meta(StepOutput())
+    assert [op.request_id for op in plan.loads] == ["C"]
+    assert plan.failed_loads == ("D",)
+    assert StepPlan(failed_loads=("D",))  # a plan holding only failed loads is work too

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -257,3 +258,162 @@ def test_scheduler_in_the_loop_real_server(
         for p in range(128):
             expected = kv_value(prompt[p], p, li)
             assert bool((loaded[layer][p] == expected).all()), (layer, p)
+
+
+# ------------------------------------------------------------ failure contract
+
+
+@pytest.fixture
+def fake_server(monkeypatch: pytest.MonkeyPatch) -> FakeServer:
+    """An in-memory server every connector built in the test talks to."""
+    require_vllm()
+    from connector import MPCacheConnector
+
+    fake = FakeServer("http://fake:1", min_chunk_size=64)
+    monkeypatch.setattr(MPCacheConnector, "transport_factory", lambda url: fake.transport())
+    monkeypatch.setattr(MPCacheConnector, "async_transport_factory", lambda url: fake.transport())
+    return fake
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    ("policy", "warnings"),
+    [pytest.param(None, 1, id="vllm-default-fail"), pytest.param("recompute", 0, id="recompute")],
+)
+def test_scheduler_recomputes_failed_loads(
+    tiny_model_dir: Path,
+    fake_server: FakeServer,
+    built: list[Any],
+    caplog: pytest.LogCaptureFixture,
+    policy: str | None,
+    warnings: int,
+) -> None:
+    """A best-effort cache must never fail a request for a load: vLLM's default
+    policy "fail" is switched to "recompute" before the real Scheduler reads it."""
+    from tests.connector.vllm_support import (
+        make_kv_cache_config,
+        make_scheduler,
+        make_vllm_config,
+    )
+
+    config = make_vllm_config(tiny_model_dir, {"mpcache.server_urls": fake_server.url})
+    transfer = config.kv_transfer_config
+    if policy is not None:
+        transfer.kv_load_failure_policy = policy
+    assert transfer.kv_load_failure_policy == (policy or "fail")
+    with caplog.at_level(logging.WARNING, logger="mpcache.connector"):
+        scheduler = make_scheduler(config, make_kv_cache_config(num_blocks=32))
+    built.append(scheduler.connector)
+    assert scheduler.recompute_kv_load_failures is True
+    assert transfer.kv_load_failure_policy == "recompute"
+    notes = [r for r in caplog.records if "kv_load_failure_policy" in r.getMessage()]
+    assert len(notes) == warnings
+    assert all(r.levelno == logging.WARNING for r in notes)
+    if notes:
+        text = notes[0].getMessage()
+        assert "best-effort" in text and '"kv_load_failure_policy": "recompute"' in text
+
+
+def _worker_connector(
+    tiny_model_dir: Path, fake: FakeServer, built: list[Any], kvcc: Any, layers: dict[str, Any]
+) -> Any:
+    from tests.connector.vllm_support import make_vllm_config
+
+    config = make_vllm_config(tiny_model_dir, {"mpcache.server_urls": fake.url})
+    conn = _factory(config, "worker", kvcc)
+    built.append(conn)
+    conn.register_kv_caches(layers)
+    assert conn.worker_adapter.available
+    return conn
+
+
+def _bind(conn: Any, *ops: Any) -> None:
+    from connector import MPCacheConnectorMetadata
+    from connector.metadata import StepPlan
+
+    conn.bind_connector_metadata(MPCacheConnectorMetadata(StepPlan(loads=ops)))
+
+
+def _kv_layers(num_blocks: int, names: Sequence[str]) -> dict[str, Any]:
+    import torch
+
+    return {name: torch.zeros(num_blocks, 2, 16, 2, 8) for name in names}
+
+
+@pytest.mark.vllm
+def test_load_error_escaping_the_adapter_is_reported_failed(
+    tiny_model_dir: Path,
+    fake_server: FakeServer,
+    built: list[Any],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """start_load_kv swallows the error; vLLM must still learn the blocks are bad."""
+    from connector.metadata import TransferOp, encode_tokens
+    from tests.connector.vllm_support import LAYERS, make_kv_cache_config
+
+    conn = _worker_connector(
+        tiny_model_dir, fake_server, built, make_kv_cache_config(16), _kv_layers(16, LAYERS)
+    )
+
+    def cuda_error() -> None:
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    monkeypatch.setattr(conn.worker_adapter, "_sync_device", cuda_error)
+    _bind(conn, TransferOp("B", 0, 64, encode_tokens(range(64)), [[0, 3, 4, 5]]))
+    with caplog.at_level(logging.ERROR, logger="mpcache.connector"):
+        conn.start_load_kv(None)  # never raises into vLLM
+    assert any("start_load_kv failed" in r.getMessage() for r in caplog.records)
+    results = conn.get_transfer_results(set())
+    assert results.finished_recving == {"B"}  # released from the wait...
+    assert conn.get_block_ids_with_load_errors() == {3, 4, 5}  # ...and recomputed
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("multi_group", [False, True], ids=["single-group", "multi-group"])
+def test_get_finished_does_not_lose_failed_loads(
+    tiny_model_dir: Path, fake_server: FakeServer, built: list[Any], multi_group: bool
+) -> None:
+    """vLLM's older get_finished() has no failure channel. Block-level failures go
+    through get_block_ids_with_load_errors(); request-level ones (multi-group) stay
+    queued for get_transfer_results() instead of being reported as loaded."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from connector.metadata import TransferOp, encode_tokens
+    from tests.connector.vllm_support import HEAD_SIZE, LAYERS, NUM_KV_HEADS, make_kv_cache_config
+
+    if multi_group:
+        groups = [
+            KVCacheGroupSpec(
+                layer_names=[name],
+                kv_cache_spec=FullAttentionSpec(
+                    block_size=bs,
+                    num_kv_heads=NUM_KV_HEADS,
+                    head_size=HEAD_SIZE,
+                    dtype=torch.float32,
+                ),
+            )
+            for name, bs in zip(LAYERS, (16, 32), strict=True)
+        ]
+        kvcc = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups)
+        blocks = [[3, 4, 5, 6], [7, 8]]
+    else:
+        kvcc = make_kv_cache_config(16)
+        blocks = [[3, 4, 5, 6]]
+    conn = _worker_connector(tiny_model_dir, fake_server, built, kvcc, _kv_layers(16, LAYERS))
+    _bind(conn, TransferOp("MISS", 0, 64, encode_tokens(range(64)), blocks))  # nothing cached
+    conn.start_load_kv(None)
+
+    sending, recving = conn.get_finished(set())
+    assert sending is None
+    if multi_group:
+        assert recving is None  # not reported as loaded...
+        assert conn.get_block_ids_with_load_errors() == set()  # (vLLM refuses these here)
+        results = conn.get_transfer_results(set())
+        assert results.finished_recving == {"MISS"}  # ...but as finished and failed
+        assert results.failed_recving == {"MISS"}
+    else:
+        assert recving == {"MISS"}
+        assert conn.get_block_ids_with_load_errors() == {3, 4, 5, 6}
+    assert conn.get_transfer_results(set()).finished_recving == set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import logging
 import mmap
 import os
 import time
@@ -13,11 +14,13 @@ import posix_ipc
 import pytest
 import torch
 
+from app.schemas import RetrieveRequest
+from connector import worker as worker_module
 from connector.alignment import layout_from_groups
 from connector.config import ConnectorConfig
 from connector.errors import LayoutError
 from connector.metadata import StepPlan, TransferOp, encode_tokens
-from connector.worker import WorkerAdapter, _block_view
+from connector.worker import WorkerAdapter, _block_view, server_budget_s
 from tests.connector.fakes import AttnSpec, FakeServer, Group
 
 NUM_BLOCKS = 8
@@ -109,7 +112,8 @@ def test_cpu_tensors_move_into_shm_zero_copy(workers: list[WorkerAdapter]) -> No
     assert [layer.name for layer in reg.layers] == ["l0", "l1"]
     d0 = reg.layers[0].tensors[0]
     assert d0.transport == "shm"
-    assert d0.segment.startswith(f"mpcache-w-{os.getpid()}-")
+    # mpcache-w-[<pidns>-]<pid>-r<rank>_...: the creator's pid lets a sweep judge it.
+    assert d0.segment.startswith("mpcache-w-") and f"-{os.getpid()}-r0_" in d0.segment
     assert (d0.shape, d0.stride, d0.dtype, d0.block_dim, d0.offset_bytes) == (
         [NUM_BLOCKS, 2, 16, 4],
         [128, 64, 4, 1],
@@ -162,21 +166,63 @@ def test_scratch_layers_are_not_registered(workers: list[WorkerAdapter]) -> None
 
 
 @pytest.mark.parametrize(
-    ("shape", "dim", "view_shape"),
+    ("shape", "num_blocks", "dim", "view_shape"),
     [
-        pytest.param((NUM_BLOCKS, 2, 16, 4), 0, (NUM_BLOCKS, 2, 16, 4), id="blocks-first"),
-        pytest.param((2, NUM_BLOCKS, 16, 4), 1, (2, NUM_BLOCKS, 16, 4), id="kv-first"),
-        pytest.param((2 * NUM_BLOCKS, 3, 4), 0, (NUM_BLOCKS, 2, 3, 4), id="kernel-split"),
+        pytest.param((NUM_BLOCKS, 2, 16, 4), NUM_BLOCKS, 0, None, id="blocks-first"),
+        pytest.param((2, NUM_BLOCKS, 16, 4), NUM_BLOCKS, 1, None, id="kv-first"),
+        pytest.param(
+            (2 * NUM_BLOCKS, 3, 4), NUM_BLOCKS, 0, (NUM_BLOCKS, 2, 3, 4), id="kernel-split"
+        ),
+        # Two blocks: a size match alone cannot tell the K/V dim from the block dim.
+        pytest.param((2, 2, 16, 4, 8), 2, 1, None, id="kv-first-5d-two-blocks"),
+        pytest.param((2, 2, 16, 4), 2, 0, None, id="blocks-first-4d-two-blocks"),
+        pytest.param((NUM_BLOCKS, 2, 16, 4, 8), NUM_BLOCKS, 0, None, id="blocks-first-5d"),
+        pytest.param((2, NUM_BLOCKS, 16, 4, 8), NUM_BLOCKS, 1, None, id="kv-first-5d"),
+        # Kernel blocks whose head count equals num_blocks: dim 0 still indexes blocks.
+        pytest.param(
+            (2 * NUM_BLOCKS, NUM_BLOCKS, 16, 4),
+            NUM_BLOCKS,
+            0,
+            (NUM_BLOCKS, 2, NUM_BLOCKS, 16, 4),
+            id="kernel-split-heads-equal-blocks",
+        ),
+        pytest.param((NUM_BLOCKS, 16, 64), NUM_BLOCKS, 0, None, id="mla"),
     ],
 )
-def test_block_dim(shape: tuple[int, ...], dim: int, view_shape: tuple[int, ...]) -> None:
-    view, block_dim = _block_view(torch.zeros(shape), NUM_BLOCKS)
-    assert (block_dim, tuple(view.shape)) == (dim, view_shape)
+def test_block_dim(
+    shape: tuple[int, ...], num_blocks: int, dim: int, view_shape: tuple[int, ...] | None
+) -> None:
+    tensor = torch.zeros(shape)
+    view, block_dim = _block_view(tensor, num_blocks)
+    assert (block_dim, tuple(view.shape)) == (dim, view_shape or shape)
+    assert view.data_ptr() == tensor.data_ptr()  # a view, never a copy
 
 
 def test_block_dim_missing() -> None:
     with pytest.raises(LayoutError, match="indexes the 8 KV cache blocks"):
         _block_view(torch.zeros(3, 5), NUM_BLOCKS)
+
+
+def test_worker_start_sweeps_stale_segments_once(
+    workers: list[WorkerAdapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[None] = []
+    monkeypatch.setattr(worker_module, "sweep_stale_worker_segments", lambda: calls.append(None))
+    make(workers, FakeServer(min_chunk_size=64))
+    assert len(calls) == 1
+
+
+def test_failing_sweep_never_stops_the_worker(
+    workers: list[WorkerAdapter], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken() -> list[str]:
+        raise PermissionError("/dev/shm")
+
+    monkeypatch.setattr(worker_module, "sweep_stale_worker_segments", broken)
+    with caplog.at_level(logging.WARNING, logger="mpcache.connector"):
+        worker = make(workers, FakeServer(min_chunk_size=64))
+    assert worker.link.healthy
+    assert any("sweeping stale segments failed" in r.message for r in caplog.records)
 
 
 def test_refused_registration_degrades(workers: list[WorkerAdapter]) -> None:
@@ -222,6 +268,99 @@ def test_store_then_load_and_failures(workers: list[WorkerAdapter]) -> None:
     assert worker.take_load_errors() == {1, 3, 4, 5, 6, 7}
     assert worker.take_load_errors() == set()
     assert [c[1] for c in server.calls].count("/cache/retrieve") == 1  # one batched call
+
+
+def test_transfer_calls_carry_a_server_budget_below_the_client_timeout(
+    workers: list[WorkerAdapter],
+) -> None:
+    """The server must have stopped touching the blocks before the client gives up."""
+    server = FakeServer(min_chunk_size=64)
+    worker = make(workers, server)  # request_timeout_s = 0.5
+    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    tokens = list(range(128))
+    worker.save(StepPlan(stores=(_op("A", tokens, 0, 128, [1, 2, 3, 4, 5, 6, 7, 1]),)))
+    worker.start_load(StepPlan(loads=(_op("B", tokens, 0, 64, [0, 2, 3, 4]),)))
+
+    bodies = {path: body for _, path, body in server.calls}
+    timeouts = dict(server.client_timeouts)
+    for path in ("/cache/store", "/cache/retrieve"):
+        budget = bodies[path]["timeout_s"]
+        client = timeouts[path]
+        assert client["read"] == worker.config.request_timeout_s
+        # httpx gives up after `read` seconds without a reply, counted from the send.
+        assert 0 < budget <= 0.75 * client["read"] < client["read"], path
+
+
+@pytest.mark.parametrize("client_timeout_s", [0.01, 2.0, 30.0, 1e6])
+def test_server_budget_is_a_fraction_of_the_client_timeout(client_timeout_s: float) -> None:
+    budget = server_budget_s(client_timeout_s)
+    assert 0 < budget < client_timeout_s
+    assert budget == min(0.75 * client_timeout_s, 3600.0)
+    # Always inside the schema's bounds, however long the configured timeout.
+    RetrieveRequest(instance_id="eng", rank=0, requests=[], timeout_s=budget)
+
+
+@pytest.mark.parametrize(
+    ("groups", "errors", "failed"),
+    [
+        pytest.param(
+            [Group(AttnSpec(16), ["l0", "l1"])], {2, 3, 4, 5}, set(), id="single-group-blocks"
+        ),
+        pytest.param(
+            [Group(AttnSpec(16), ["l0"]), Group(AttnSpec(32), ["l1"])],
+            set(),
+            {"B"},
+            id="multi-group-request",
+        ),
+    ],
+)
+def test_unexpected_error_fails_every_load_of_the_step(
+    workers: list[WorkerAdapter],
+    monkeypatch: pytest.MonkeyPatch,
+    groups: list[Group],
+    errors: set[int],
+    failed: set[str],
+) -> None:
+    """A CUDA sync error (or any escape) must not leave loads reported as done."""
+    server = FakeServer(min_chunk_size=64)
+    worker = make(workers, server, groups=groups)
+    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    assert worker.available
+
+    def cuda_error() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(worker, "_sync_device", cuda_error)
+    blocks = [[0, 2, 3, 4], [0, 5]] if len(groups) == 2 else [[0, 2, 3, 4, 5]]
+    op = TransferOp("B", 0, 64, encode_tokens(range(64)), blocks)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        worker.start_load(StepPlan(loads=(op,)))
+    assert worker.take_transfer_results() == ({"B"}, failed)
+    assert worker.take_load_errors() == errors
+
+
+def test_unplanned_loads_are_reported_failed(workers: list[WorkerAdapter]) -> None:
+    worker = make(workers, FakeServer(min_chunk_size=64))
+    worker.start_load(StepPlan(failed_loads=("C",)))
+    assert worker.take_transfer_results() == ({"C"}, {"C"})
+
+
+def test_finished_loads_for_get_finished_keep_request_failures(
+    workers: list[WorkerAdapter],
+) -> None:
+    """vLLM's older get_finished has no failure channel: a request-level failure is
+    kept for take_transfer_results instead of being reported as a success."""
+    server = FakeServer(min_chunk_size=64)
+    groups = [Group(AttnSpec(16), ["l0"]), Group(AttnSpec(32), ["l1"])]
+    worker = make(workers, server, groups=groups)
+    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    ok = TransferOp("OK", 0, 64, encode_tokens(range(64)), [[0, 0, 0, 0], [0, 0]])
+    bad = TransferOp("BAD", 0, 64, encode_tokens(range(64)), [[1, 2, 3, 4], [5, 6]])
+    worker.start_load(StepPlan(loads=(ok, bad)))
+    assert worker.take_finished_loads() == {"OK"}
+    assert worker.take_finished_loads() == set()
+    assert worker.take_transfer_results() == ({"BAD"}, {"BAD"})
+    assert worker.take_transfer_results() == (set(), set())
 
 
 def test_multi_group_failures_are_request_level(workers: list[WorkerAdapter]) -> None:

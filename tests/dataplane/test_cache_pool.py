@@ -147,3 +147,149 @@ def test_release_leases_and_close(pool: Pool) -> None:
     import os
 
     assert not os.path.exists(f"/dev/shm/{name}")
+
+
+@pytest.mark.parametrize("hold", ["pinned", "leased"])
+def test_eviction_that_cannot_make_room_evicts_nothing(
+    pool: Pool, hold: str, clock: FakeClock
+) -> None:
+    dropped: list[bytes] = []
+    pool.on_drop = lambda entries, reason: dropped.extend(e.key for e in entries)
+    for key in (b"a", b"b", b"c", b"d"):
+        put(pool, key)
+    # b sits on page 1, so no run of 3 free pages can form in 4 pages.
+    if hold == "pinned":
+        assert pool.pin(b"b", 0, b"L", 1) is not None
+    else:
+        assert pool.lookup([b"b"], 1, holder="req", lease_ttl_s=10) == 1
+    assert pool.begin_store(b"big", 0, nbytes=3 * PAGE, layout=b"L", present=1) is None
+    assert dropped == []
+    assert pool.stats().entries == 4
+    assert pool.lookup([b"a", b"b", b"c", b"d"], 1) == 4
+
+
+def test_eviction_evicts_only_the_entries_under_the_window(clock: FakeClock) -> None:
+    pool = Pool.create(segment_name("pool"), 4 * PAGE, PAGE, clock=clock)
+    try:
+        dropped: list[bytes] = []
+        pool.on_drop = lambda entries, reason: dropped.extend(e.key for e in entries)
+        for key in (b"p", b"q", b"r", b"s"):  # pages 0, 1, 2, 3
+            put(pool, key)
+        for key in (b"s", b"q", b"r"):  # LRU order now: p, s, q, r
+            pool.lookup([key], 1)
+        new = pool.begin_store(b"two", 0, nbytes=2 * PAGE, layout=b"L", present=1)
+        assert isinstance(new, Entry) and new.first_page == 0
+        # p and q free pages 0-1; s is older than q but freeing it does not help.
+        assert sorted(dropped) == [b"p", b"q"]
+        assert pool.lookup([b"s"], 1) == 1 and pool.lookup([b"r"], 1) == 1
+        pool.abort(new)
+    finally:
+        pool.close()
+
+
+def _brute_force_plan(
+    num_pages: int,
+    entries: list[tuple[int, int, int | None]],
+    need: int,
+) -> tuple[int, int] | None:
+    """Best (oldest newest-victim, fewest victims) window, by looking at every window.
+
+    ``entries``: (first page, pages, LRU rank or None when not evictable).
+    """
+    owner: list[int | None] = [None] * num_pages  # index into entries
+    for i, (first, n, _) in enumerate(entries):
+        for page in range(first, first + n):
+            owner[page] = i
+    best: tuple[int, int] | None = None
+    for start in range(num_pages - need + 1):
+        touched = {owner[p] for p in range(start, start + need)} - {None}
+        ranks = [entries[i][2] for i in touched if i is not None]
+        if any(r is None for r in ranks):
+            continue
+        cost = (max(r for r in ranks if r is not None), len(ranks))
+        if best is None or cost < best:
+            best = cost
+    return best
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_eviction_plan_matches_brute_force(seed: int, clock: FakeClock) -> None:
+    import random
+
+    rng = random.Random(seed)
+    num_pages = rng.randint(4, 12)
+    pool = Pool.create(segment_name("pool"), num_pages * PAGE, PAGE, clock=clock)
+    try:
+        made: list[Entry] = []
+        key = 0
+        while True:  # fill with pending entries of 1-3 pages, then keep some
+            size = rng.randint(1, 3)
+            entry = pool.begin_store(bytes([key]), 0, nbytes=size * PAGE, layout=b"L", present=1)
+            key += 1
+            if entry is None:
+                if pool.stats().used_bytes >= (num_pages - 2) * PAGE or key > 64:
+                    break
+                continue
+            assert isinstance(entry, Entry)
+            made.append(entry)
+        kept: list[Entry] = []
+        for entry in made:
+            if rng.random() < 0.2:
+                pool.abort(entry)  # a hole
+            else:
+                pool.commit(entry)
+                kept.append(entry)
+        leased = {e.key for e in kept if rng.random() < 0.15}
+        if leased:
+            pool.lookup(sorted(leased), 1, holder="h", lease_ttl_s=100)
+        order = kept[:]
+        rng.shuffle(order)
+        for entry in order:
+            pool.lookup([entry.key], 1)  # LRU order = `order`
+        pinned = [e for e in kept if rng.random() < 0.15]
+        for entry in pinned:
+            assert pool.pin(entry.key, 0, b"L", 1) is entry
+        rank = {id(e): i for i, e in enumerate(order)}
+        evictable = {id(e) for e in kept if e not in pinned and e.key not in leased}
+        layout = [
+            (e.first_page, e.num_pages, rank[id(e)] if id(e) in evictable else None) for e in kept
+        ]
+        need = rng.randint(1, num_pages)
+        free_run = pool._alloc.largest_run()
+        dropped: list[Entry] = []
+        pool.on_drop = lambda entries, reason: dropped.extend(entries)
+
+        got = pool.begin_store(b"new", 0, nbytes=need * PAGE, layout=b"L", present=1)
+
+        if need <= free_run:
+            assert isinstance(got, Entry) and dropped == []
+            return
+        expected = _brute_force_plan(num_pages, layout, need)
+        if expected is None:
+            assert got is None
+            assert dropped == []
+            assert pool.stats().entries == len(kept)
+        else:
+            assert isinstance(got, Entry)
+            assert (max(rank[id(e)] for e in dropped), len(dropped)) == expected
+            for e in dropped:  # every victim lies under the new entry
+                assert got.first_page < e.first_page + e.num_pages
+                assert e.first_page < got.first_page + got.num_pages
+        for entry in pinned:
+            pool.unpin(entry)
+    finally:
+        pool.close()
+
+
+def test_store_with_other_slots_does_not_replace_the_cached_entry(pool: Pool) -> None:
+    old = put(pool, b"x", present=0b011)
+    # Holds slot 2 but not slot 0: replacing would lose slot 0.
+    assert pool.begin_store(b"x", 0, nbytes=PAGE, layout=b"L", present=0b110) == PRESENT
+    assert pool.begin_store(b"x", 0, nbytes=PAGE, layout=b"L", present=0b011) == PRESENT
+    assert pool.pin(b"x", 0, b"L", 0b001) is old
+    pool.unpin(old)
+    new = pool.begin_store(b"x", 0, nbytes=PAGE, layout=b"L", present=0b111)
+    assert isinstance(new, Entry)
+    pool.commit(new)
+    assert pool.pin(b"x", 0, b"L", 0b101) is new
+    pool.unpin(new)

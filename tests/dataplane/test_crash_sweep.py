@@ -1,18 +1,66 @@
-"""A SIGKILLed server leaves its pool behind; the next start removes it."""
+"""Crashed processes leave segments behind; the next server start removes them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import posix_ipc
 import pytest
 
-from dataplane.segments import SHM_DIR
+from dataplane.segments import SHM_DIR, pid_namespace, segment_name
 from tests.support import server_process
 
 
+@pytest.fixture
+def crashed_worker_segment() -> Iterator[str]:
+    """A worker segment of our PID namespace whose creator is dead (unlinked after)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=30)
+    name = segment_name("w", pid=proc.pid)
+    posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, size=4096).close_fd()
+    try:
+        yield name
+    finally:
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory("/" + name)
+
+
+def test_server_start_sweeps_crashed_workers_segments(
+    crashed_worker_segment: str, make_client: Callable[..., Any]
+) -> None:
+    live = segment_name("w")  # ours: alive
+    posix_ipc.SharedMemory("/" + live, posix_ipc.O_CREX, size=4096).close_fd()
+    try:
+        make_client(alignment=None)
+        assert not os.path.exists(f"{SHM_DIR}/{crashed_worker_segment}")
+        assert os.path.exists(f"{SHM_DIR}/{live}")
+    finally:
+        posix_ipc.unlink_shared_memory("/" + live)
+
+
+def test_cli_sweeps_before_checking_free_space(
+    crashed_worker_segment: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import uvicorn
+
+    from app.cli import main
+
+    started: list[Any] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: started.append(kwargs))
+    main(["server", "--pool-size", "8MiB", "--port", "1"])
+    assert started and started[0]["host"] == "127.0.0.1"
+    assert not os.path.exists(f"{SHM_DIR}/{crashed_worker_segment}")
+
+
 def _pools_of(pid: int) -> list[str]:
-    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"mpcache-pool-{pid}-"))
+    prefix = f"mpcache-pool-{pid_namespace()}-{pid}-"
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -68,6 +69,16 @@ def test_known_dtypes(name: str) -> None:
 )
 def test_bad_names(name: str) -> None:
     with pytest.raises(InvalidDescriptor):
+        check_shm_name(name)
+
+
+def test_worker_segment_names_are_accepted() -> None:
+    from connector.shm import segment_name as connector_segment_name
+    from dataplane.segments import pid_namespace, segment_name
+
+    made_by_connector = connector_segment_name(3, 1)
+    assert made_by_connector.startswith(f"mpcache-w-{pid_namespace()}-{os.getpid()}-r3_1_")
+    for name in (segment_name("w"), made_by_connector, "mpcache-w-1-abc"):
         check_shm_name(name)
 
 

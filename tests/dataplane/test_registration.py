@@ -211,3 +211,125 @@ def test_instance_ids_with_slashes_unregister(
     post_ok(client, "/register", register_body(kv, "host-1/engine 0", GROUPS, chunk_size=CHUNK))
     assert client.delete(f"/register/{quote('host-1/engine 0', safe='')}/0").status_code == 204
     assert client.get("/health").json()["registrations"] == 0
+
+
+def _b64(*values: int) -> str:
+    import base64
+    import struct
+
+    return base64.b64encode(struct.pack(f"<{len(values)}I", *values)).decode()
+
+
+def _lookup_body(**change: Any) -> dict[str, Any]:
+    item = {"request_id": "r", "namespace": NAMESPACE, "tokens": [1, 2, 3], **change}
+    return {"requests": [item]}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "needle"),
+    [
+        pytest.param(
+            "/cache/lookup", _lookup_body(tokens=[1, 2**31]), "less than 2147483648", id="token"
+        ),
+        pytest.param(
+            "/cache/lookup", _lookup_body(tokens=[-1]), "greater than or equal to 0", id="neg"
+        ),
+        pytest.param(
+            "/cache/lookup",
+            _lookup_body(tokens=None, tokens_b64=_b64(1, 2**31)),
+            "negative token",
+            id="token-b64",
+        ),
+        pytest.param(
+            "/cache/lookup",
+            _lookup_body(world_size=4097),
+            "less than or equal to 4096",
+            id="world-size",
+        ),
+        pytest.param(
+            "/cache/lookup", _lookup_body(world_size=0), "greater than or equal to 1", id="ws-0"
+        ),
+        pytest.param(
+            "/cache/blend/match",
+            {"namespace": NAMESPACE, "tokens": [2**31]},
+            "less than 2147483648",
+            id="blend-token",
+        ),
+    ],
+)
+def test_out_of_range_values_are_refused_with_a_problem(
+    make_client: ClientFactory, path: str, body: dict[str, Any], needle: str
+) -> None:
+    client = make_client(enable_blend=True)
+    reply = client.post(path, json=body)
+    assert reply.status_code == 422, reply.text
+    assert reply.headers["content-type"].startswith("application/problem+json")
+    problem = reply.json()
+    assert problem["status"] == 422 and problem["type"].startswith("urn:mpcache:problem:")
+    assert problem["title"] and needle in problem["detail"]
+    assert client.get("/health").json()["sessions"] == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        pytest.param({"tokens": [1, 2**31], "tokens_b64": None}, "less than 2147483648", id="tok"),
+        pytest.param({"tokens_b64": _b64(5, 2**31 + 5)}, "negative token", id="tok-b64"),
+        pytest.param({"block_ids": [[1, 2**62]]}, "less than 4611686018427387904", id="block"),
+        pytest.param({"start_token": -64}, "greater than or equal to 0", id="neg-start"),
+    ],
+)
+def test_out_of_range_transfer_values_are_refused_with_a_problem(
+    make_client: ClientFactory, shm_kv: KVFactory, change: dict[str, Any], needle: str
+) -> None:
+    client = make_client()
+    kv = shm_kv([vllm_layer("l0", 0, 8)])
+    post_ok(client, "/register", register_body(kv, "w", GROUPS, chunk_size=CHUNK))
+    item = {**transfer_item("r", random_tokens(CHUNK, seed=2), [[1, 2, 3, 4]]), **change}
+    for path in ("/cache/store", "/cache/retrieve"):
+        reply = client.post(path, json={"instance_id": "w", "rank": 0, "requests": [item]})
+        assert reply.status_code == 422, reply.text
+        assert reply.headers["content-type"].startswith("application/problem+json")
+        assert reply.json()["status"] == 422 and needle in reply.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "rank", "needle"),
+    [
+        pytest.param(4097, 0, "less than or equal to 4096", id="world-size"),
+        pytest.param(0, 0, "greater than or equal to 1", id="world-size-0"),
+        pytest.param(2, -1, "greater than or equal to 0", id="negative-rank"),
+    ],
+)
+def test_register_out_of_range_world_is_refused_with_a_problem(
+    make_client: ClientFactory, shm_kv: KVFactory, world_size: int, rank: int, needle: str
+) -> None:
+    client = make_client()
+    kv = shm_kv([vllm_layer("l0", 0, 8)])
+    body = register_body(kv, "w", GROUPS, chunk_size=CHUNK, rank=rank, world_size=world_size)
+    reply = client.post("/register", json=body)
+    assert reply.status_code == 422, reply.text
+    assert reply.headers["content-type"].startswith("application/problem+json")
+    assert needle in reply.json()["detail"]
+    assert client.get("/health").json()["registrations"] == 0
+    assert shm_mappings(kv.name) == 1
+    # The largest world is accepted.
+    ok = register_body(kv, "w", GROUPS, chunk_size=CHUNK, rank=4095, world_size=4096)
+    assert post_ok(client, "/register", ok)["rank"] == 4095
+
+
+def test_a_malformed_lookup_item_opens_no_session_and_takes_no_lease(
+    make_client: ClientFactory, shm_kv: KVFactory
+) -> None:
+    client = make_client()
+    kv = shm_kv([vllm_layer("l0", 0, 8)])
+    post_ok(client, "/register", register_body(kv, "w", GROUPS, chunk_size=CHUNK))
+    tokens = random_tokens(CHUNK, seed=3)
+    store(client, "w", transfer_item("s", tokens, [[1, 2, 3, 4]]))
+    post_ok(client, "/cache/end", {"request_ids": ["s"]})
+    good = {"request_id": "good", "namespace": NAMESPACE, **token_field(tokens)}
+    bad = {"request_id": "bad", "namespace": NAMESPACE, "tokens_b64": _b64(1, 2**31)}
+    reply = client.post("/cache/lookup", json={"requests": [good, bad]})
+    assert reply.status_code == 422
+    assert client.get("/health").json()["sessions"] == 0
+    assert client.app.state.runtime.pool.stats().leased_keys == 0  # type: ignore[attr-defined]

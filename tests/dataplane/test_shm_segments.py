@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import posix_ipc
 import pytest
 
+import dataplane.segments
 from app.errors import SegmentNotFound, SharedMemoryExhausted
 from dataplane.segments import (
     SHM_DIR,
     Segment,
     check_free_space,
+    pid_namespace,
     segment_name,
     stale_segments,
     sweep_stale,
+    sweep_stale_segments,
+    sweep_stale_worker_segments,
 )
 
 
@@ -28,6 +35,67 @@ def _dead_pid() -> int:
 
 def _exists(name: str) -> bool:
     return os.path.exists(f"{SHM_DIR}/{name}")
+
+
+@contextmanager
+def _bare_segments(*names: str) -> Iterator[None]:
+    """Create empty segments by name (as a crashed process would leave them); unlink after."""
+    made = []
+    try:
+        for name in names:
+            shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, size=4096)
+            shm.close_fd()
+            made.append(name)
+        yield
+    finally:
+        for name in made:
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                posix_ipc.unlink_shared_memory("/" + name)
+
+
+def test_names_carry_pid_namespace_and_pid() -> None:
+    assert pid_namespace() == os.stat("/proc/self/ns/pid").st_ino != 0
+    assert segment_name("w", pid=42, pidns=7, token="r0_1_ab") == "mpcache-w-7-42-r0_1_ab"
+    name = segment_name("pool")
+    assert name.startswith(f"mpcache-pool-{pid_namespace()}-{os.getpid()}-")
+    with pytest.raises(ValueError, match="token"):
+        segment_name("w", token="a-b")
+
+
+@pytest.mark.parametrize("kind", ["pool", "w"])
+def test_sweep_judges_only_segments_of_our_pid_namespace(kind: str) -> None:
+    dead = _dead_pid()
+    ours = pid_namespace()
+    stale = segment_name(kind, pid=dead)
+    foreign = segment_name(kind, pid=dead, pidns=ours + 1)  # another container's
+    alive = segment_name(kind, pid=os.getppid())
+    old_style = f"mpcache-{kind}-{dead}-0123456789ab"  # no pid namespace: never judged
+    with _bare_segments(stale, foreign, alive, old_style):
+        removed = sweep_stale_segments()
+        assert stale in removed
+        assert not _exists(stale)
+        for name in (foreign, alive, old_style):
+            assert _exists(name) and name not in removed
+
+
+def test_worker_sweep_removes_only_worker_segments() -> None:
+    dead = _dead_pid()
+    worker, pool = segment_name("w", pid=dead), segment_name("pool", pid=dead)
+    with _bare_segments(worker, pool):
+        assert sweep_stale_worker_segments() == [worker]
+        assert not _exists(worker) and _exists(pool)
+
+
+def test_nothing_is_swept_when_our_pid_namespace_is_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    name = segment_name("w", pid=_dead_pid())
+    with _bare_segments(name):
+        monkeypatch.setattr(dataplane.segments, "_PIDNS_PATH", "/nonexistent/ns/pid")
+        assert pid_namespace() == 0
+        assert stale_segments("mpcache-w-") == []
+        assert sweep_stale_worker_segments() == []
+        assert _exists(name)
 
 
 def test_creator_unlinks_attacher_only_unmaps() -> None:
