@@ -289,15 +289,7 @@ class CacheService:
             results = [self._store_item(reg, it, size, deadline) for it in items]
         self._update_pool_gauges()
         late = sum(r.failed_chunks for r, timed_out in results if timed_out)
-        if any(timed_out for _, timed_out in results):
-            self._telemetry.transfer_timeouts.labels("store").inc()
-            logger.warning(
-                "store for %r rank %d passed its %.3gs deadline: %d chunk(s) not stored",
-                req.instance_id,
-                req.rank,
-                req.timeout_s,
-                late,
-            )
+        self._note_late("store", req, results, f"{late} chunk(s) not stored")
         return StoreResponse(results=[r for r, _ in results])
 
     def _store_item(
@@ -379,16 +371,28 @@ class CacheService:
             items = self._check_items(reg, req.requests, size)
             results = [self._retrieve_item(reg, it, size, deadline) for it in items]
         late = sum(len(r.failed_block_ids) for r, timed_out in results if timed_out)
-        if any(timed_out for _, timed_out in results):
-            self._telemetry.transfer_timeouts.labels("retrieve").inc()
-            logger.warning(
-                "retrieve for %r rank %d passed its %.3gs deadline: %d block(s) not loaded",
-                req.instance_id,
-                req.rank,
-                req.timeout_s,
-                late,
-            )
+        self._note_late("retrieve", req, results, f"{late} block(s) not loaded")
         return RetrieveResponse(results=[r for r, _ in results])
+
+    def _note_late(
+        self,
+        op: str,
+        req: StoreRequest | RetrieveRequest,
+        results: Sequence[tuple[object, bool]],
+        what: str,
+    ) -> None:
+        """Count and log a batch that its deadline cut short (no-op otherwise)."""
+        if not any(timed_out for _, timed_out in results):
+            return
+        self._telemetry.transfer_timeouts.labels(op).inc()
+        logger.warning(
+            "%s for %r rank %d passed its %.3gs deadline: %s",
+            op,
+            req.instance_id,
+            req.rank,
+            req.timeout_s,
+            what,
+        )
 
     def _retrieve_item(
         self, reg: Registration, it: _Item, size: int, deadline: float | None
