@@ -91,30 +91,28 @@ def test_reads_never_select(client: TestClient) -> None:
 
 
 BAD_BODIES = [
-    pytest.param({"required_alignment": 0}, id="zero"),
-    pytest.param({"required_alignment": -96}, id="negative"),
-    pytest.param({"required_alignment": "96"}, id="string"),
-    pytest.param({"required_alignment": 96.0}, id="float"),
-    pytest.param({"required_alignment": 96.5}, id="fraction"),
-    pytest.param({"required_alignment": True}, id="bool"),
-    pytest.param({"required_alignment": None}, id="null"),
-    pytest.param({"required_alignment": 10**30}, id="absurdly-large"),
-    pytest.param({"required_alignment": 70000}, id="above-max-chunk-size"),
-    pytest.param({}, id="missing-field"),
-    pytest.param({"required_alignment": 96, "role": "driver"}, id="bad-role"),
-    pytest.param({"required_alignment": 96, "typo": 1}, id="unknown-field"),
-    pytest.param([96], id="not-an-object"),
+    pytest.param({"required_alignment": 0}, "required_alignment", id="zero"),
+    pytest.param({"required_alignment": -96}, "required_alignment", id="negative"),
+    pytest.param({"required_alignment": "96"}, "required_alignment", id="string"),
+    pytest.param({"required_alignment": 96.0}, "required_alignment", id="float"),
+    pytest.param({"required_alignment": 96.5}, "required_alignment", id="fraction"),
+    pytest.param({"required_alignment": True}, "required_alignment", id="bool"),
+    pytest.param({"required_alignment": None}, "required_alignment", id="null"),
+    pytest.param({"required_alignment": 10**30}, "max_chunk_size", id="absurdly-large"),
+    pytest.param({"required_alignment": 70000}, "max_chunk_size 65536", id="above-max"),
+    pytest.param({}, "required_alignment: Field required", id="missing-field"),
+    pytest.param({"required_alignment": 96, "role": "driver"}, "role", id="bad-role"),
+    pytest.param({"required_alignment": 96, "typo": 1}, "typo", id="unknown-field"),
+    pytest.param([96], "body", id="not-an-object"),
 ]
 
 
-@pytest.mark.parametrize("body", BAD_BODIES)
-def test_bad_input_is_a_clear_4xx_and_changes_nothing(client: TestClient, body: Any) -> None:
+@pytest.mark.parametrize(("body", "needle"), BAD_BODIES)
+def test_bad_input_is_a_clear_4xx_and_changes_nothing(
+    client: TestClient, body: Any, needle: str
+) -> None:
     problem = assert_problem(client.post("/negotiate", json=body), 422)
-    assert (
-        "required_alignment" in problem["detail"]
-        or "role" in problem["detail"]
-        or ("typo" in problem["detail"] or "body" in problem["detail"])
-    )
+    assert needle in problem["detail"]
     assert_unselected(client)
     # After a size is final, bad input still changes nothing.
     assert negotiate(client, 96).json()["chunk_size"] == 288

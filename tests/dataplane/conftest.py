@@ -16,11 +16,11 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
-from tests.dataplane.support import LayerSpec, ShmKV, build_kv
+from tests.dataplane.support import KVFactory, LayerSpec, ShmKV, build_kv
 
 
 @pytest.fixture
-def shm_kv() -> Iterator[Callable[[Sequence[LayerSpec]], ShmKV]]:
+def shm_kv() -> Iterator[KVFactory]:
     made: list[ShmKV] = []
 
     def make(layers: Sequence[LayerSpec]) -> ShmKV:

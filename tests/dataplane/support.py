@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,3 +253,7 @@ def metric(client: Any, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return float(sample.value)
     raise AssertionError(f"no sample {name} {labels} on /metrics")
+
+
+KVFactory = Callable[[Sequence[LayerSpec]], ShmKV]
+"""The ``shm_kv`` fixture: builds worker KV caches in shm for the given layers."""

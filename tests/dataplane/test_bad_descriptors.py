@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
 from tests.dataplane.support import (
-    LayerSpec,
+    KVFactory,
     ShmKV,
     mla_layer,
     register_body,
@@ -22,7 +22,6 @@ from tests.dataplane.support import (
 CHUNK = 64
 GROUPS = [(0, "attention", 16)]
 
-KVFactory = Callable[[Sequence[LayerSpec]], ShmKV]
 ClientFactory = Callable[..., TestClient]
 Mutation = Callable[[dict[str, Any], ShmKV, TestClient], None]
 

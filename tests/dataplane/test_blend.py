@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 from fastapi.testclient import TestClient
 
 from tests.dataplane.support import (
     NAMESPACE,
-    LayerSpec,
-    ShmKV,
+    KVFactory,
     post_ok,
     random_tokens,
     register_body,
@@ -21,7 +20,6 @@ from tests.dataplane.support import (
 )
 
 CHUNK = 64
-KVFactory = Callable[[Sequence[LayerSpec]], ShmKV]
 ClientFactory = Callable[..., TestClient]
 
 

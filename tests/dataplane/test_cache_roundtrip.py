@@ -13,6 +13,7 @@ from app.schemas import NULL_BLOCK_ID
 from dataplane.segments import SHM_DIR
 from tests.dataplane.support import (
     NAMESPACE,
+    KVFactory,
     LayerSpec,
     ShmKV,
     mamba_layer,
@@ -27,7 +28,6 @@ from tests.dataplane.support import (
 CHUNK = 64
 ATTN = [(0, "attention", 16)]
 
-KVFactory = Callable[[Sequence[LayerSpec]], ShmKV]
 ClientFactory = Callable[..., TestClient]
 
 

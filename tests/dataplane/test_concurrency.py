@@ -9,7 +9,6 @@ or chunk mixed from two sources (a torn read) is detected.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -19,7 +18,7 @@ import torch
 
 from tests.dataplane.support import (
     NAMESPACE,
-    LayerSpec,
+    KVFactory,
     ShmKV,
     random_tokens,
     register_body,
@@ -38,8 +37,6 @@ NUM_CLIENTS = 4
 ITERATIONS = 25
 PROMPTS = [random_tokens(CHUNKS_PER_PROMPT * CHUNK, seed=500 + i) for i in range(6)]
 BLOCK_IDS = list(range(1, BLOCKS + 1))
-
-KVFactory = Callable[[Sequence[LayerSpec]], ShmKV]
 
 
 def _value(prompt: int, block: int, layer: int) -> int:

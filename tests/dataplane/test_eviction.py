@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from fastapi.testclient import TestClient
 
 from tests.dataplane.support import (
-    LayerSpec,
+    KVFactory,
     ShmKV,
     lookup,
     metric,
@@ -28,7 +28,6 @@ GROUPS = [(0, "attention", 16)]
 LAYERS = [vllm_layer(f"l{i}", 0, 64) for i in range(4)]
 ENTRY_PAGES = 4
 
-KVFactory = Callable[[Sequence[LayerSpec]], ShmKV]
 ClientFactory = Callable[..., TestClient]
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -10,8 +10,7 @@ from fastapi.testclient import TestClient
 
 from tests.dataplane.support import (
     NAMESPACE,
-    LayerSpec,
-    ShmKV,
+    KVFactory,
     lookup,
     metric,
     post_ok,
@@ -27,7 +26,6 @@ from tests.dataplane.support import (
 CHUNK = 64
 GROUPS = [(0, "attention", 16)]
 
-KVFactory = Callable[[Sequence[LayerSpec]], ShmKV]
 ClientFactory = Callable[..., TestClient]
 
 

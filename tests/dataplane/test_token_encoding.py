@@ -9,15 +9,14 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import pytest
 from fastapi.testclient import TestClient
 
 from tests.dataplane.support import (
     NAMESPACE,
-    LayerSpec,
-    ShmKV,
+    KVFactory,
     post_ok,
     random_tokens,
     register_body,
@@ -30,7 +29,6 @@ from tests.dataplane.support import (
 CHUNK = 256
 PROMPT_TOKENS = 32768
 
-KVFactory = Callable[[Sequence[LayerSpec]], ShmKV]
 ClientFactory = Callable[..., TestClient]
 
 

@@ -8,7 +8,7 @@ deadline (which counts from the request's receipt, earlier still).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 import dataplane.service
 from tests.dataplane.support import (
-    LayerSpec,
+    KVFactory,
     ShmKV,
     lookup,
     metric,
@@ -34,7 +34,6 @@ CHUNK = 64
 GROUPS = [(0, "attention", 16)]
 LAYERS = [vllm_layer(f"l{i}", 0, 40) for i in range(2)]
 
-KVFactory = Callable[[Sequence[LayerSpec]], ShmKV]
 ClientFactory = Callable[..., TestClient]
 
 
