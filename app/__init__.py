@@ -4,5 +4,6 @@ Importing this package does nothing: the app is built by ``app.main.create_app``
 and its runtime state by the app's lifespan.
 """
 
-__version__ = "0.1.0"
+from contract import __version__
+
 __all__ = ["__version__"]

@@ -1,4 +1,4 @@
-"""The chunk-size binding pipeline (DESIGN s.2 rule 3).
+"""The chunk-size binding pipeline (docs/design.md s.2.2 rule 4).
 
 Selecting a size binds it, in order, to every chunk-dependent part. Each binding
 runs at most once per selected size: after a failure the next ``run`` resumes at
@@ -12,8 +12,8 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from app.errors import BindingFailed
-from app.schemas import BindingStatus
+from contract.errors import BindingFailed
+from contract.schemas import BindingStatus
 
 __all__ = ["Binding", "BindingPipeline"]
 

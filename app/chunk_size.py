@@ -13,10 +13,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from app.bindings import BindingPipeline
-from app.errors import BindingFailed, IncompatibleAlignment, InvalidRequest, ResizeAfterSessions
 from app.negotiation import ChunkSizeState, NegotiationPolicy, decide
-from app.schemas import BindingStatus
 from app.telemetry import Telemetry
+from contract.errors import (
+    BindingFailed,
+    IncompatibleAlignment,
+    InvalidRequest,
+    ResizeAfterSessions,
+)
+from contract.schemas import BindingStatus
 
 __all__ = ["ChunkSizeAuthority", "ChunkSizeSnapshot"]
 

@@ -60,8 +60,9 @@ def parse_settings(argv: Sequence[str]) -> Settings:
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_settings(sys.argv[1:] if argv is None else argv)
-    from app.errors import SharedMemoryExhausted
-    from dataplane.segments import check_free_space, sweep_stale_segments
+    from contract.errors import SharedMemoryExhausted
+    from contract.shm_naming import check_free_space
+    from dataplane.segments import sweep_stale_segments
 
     try:
         # Segments of crashed servers and workers must not count against the check.

@@ -1,4 +1,4 @@
-"""Token hasher: chunk keys as a prefix hash chain over whole chunks (DESIGN s.5).
+"""Token hasher: chunk keys as a prefix hash chain over whole chunks (docs/design.md s.5.2).
 
 ``key_0 = H(namespace-seed, tokens of chunk 0)``, ``key_i = H(key_{i-1}, tokens of
 chunk i)``. ``H`` is BLAKE2b with a 128-bit digest over the little-endian int32
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from app.errors import NotNegotiated
+from contract.errors import NotNegotiated
 
 __all__ = ["KEY_BYTES", "TokenHasher"]
 

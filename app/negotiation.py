@@ -1,10 +1,10 @@
-"""Chunk-size negotiation rules (DESIGN s.2): pure functions over frozen values.
+"""Chunk-size negotiation rules (docs/design.md s.2): pure functions over frozen values.
 
 No I/O, no locks: ``app.chunk_size.ChunkSizeAuthority`` owns the mutable state and
 serialises callers; this module only decides.
 
-- ``resolve_chunk_size``: the smallest multiple of the alignment at or above the
-  configured minimum, bounded by ``max_chunk_size``.
+- ``resolve_chunk_size``: the rule of ``contract.chunking`` (the smallest multiple of
+  the alignment at or above the configured minimum), bounded by ``max_chunk_size``.
 - ``decide``: given the current state, a new alignment and the number of live
   sessions, what happens: select a first size, keep the current one (it is a
   multiple of the new alignment), or re-select before the size is final.
@@ -13,11 +13,11 @@ serialises callers; this module only decides.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from app.errors import IncompatibleAlignment, InvalidRequest, ResizeAfterSessions
+from contract.chunking import is_aligned, lcm_of_spans, smallest_multiple_at_least
+from contract.errors import IncompatibleAlignment, InvalidRequest, ResizeAfterSessions
 
 __all__ = [
     "ChunkSizeState",
@@ -81,7 +81,7 @@ def resolve_chunk_size(required_alignment: int, policy: NegotiationPolicy) -> in
             required_alignment=required_alignment,
             max_chunk_size=policy.max_chunk_size,
         )
-    size = -(-policy.min_chunk_size // required_alignment) * required_alignment
+    size = smallest_multiple_at_least(required_alignment, policy.min_chunk_size)
     if size > policy.max_chunk_size:
         raise InvalidRequest(
             f"the smallest multiple of required_alignment {required_alignment} at or "
@@ -99,14 +99,14 @@ def decide(
     policy: NegotiationPolicy,
     live_sessions: int,
 ) -> Decision:
-    """Apply the server rules of DESIGN s.2 to one negotiation request."""
+    """Apply the server rules of docs/design.md s.2 to one negotiation request."""
     candidate = resolve_chunk_size(required_alignment, policy)
     if state.selected is None:
         return Decision(
             "select", candidate, ChunkSizeState(candidate, False, (required_alignment,))
         )
     current = state.selected
-    if current % required_alignment == 0:
+    if is_aligned(current, required_alignment):
         return Decision("keep", current, state.with_alignment(required_alignment))
     if state.final:
         raise IncompatibleAlignment(
@@ -128,7 +128,7 @@ def decide(
         )
     # Not final and nobody depends on it yet: pick a size every alignment seen so
     # far divides, so earlier callers (who were told to retry) stay compatible.
-    combined = math.lcm(*state.alignments, required_alignment)
+    combined = lcm_of_spans((*state.alignments, required_alignment))
     try:
         size = resolve_chunk_size(combined, policy)
     except InvalidRequest as exc:

@@ -10,8 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.errors import MPCacheError, Unavailable
-from app.schemas import Problem
+from contract.errors import MPCacheError, Unavailable
+from contract.schemas import Problem
 
 __all__ = ["PROBLEM_MEDIA_TYPE", "install_error_handlers", "problem_doc", "problem_response"]
 

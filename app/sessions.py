@@ -4,7 +4,7 @@ A session is the server's state for one vLLM request, opened by its first cache
 operation (lookup/store/retrieve) and dropped by end-of-session or after
 ``ttl_s`` of inactivity. It caches the request's chunk keys so a growing prompt
 is hashed once, and it carries the leases the data plane holds for it. The
-number of live sessions is what forbids a chunk-size resize (DESIGN s.2 rule 2).
+number of live sessions is what forbids a chunk-size resize (docs/design.md s.2.2 rule 3).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from app.errors import NotNegotiated
 from app.hashing import TokenHasher
+from contract.errors import NotNegotiated
 
 __all__ = ["Session", "SessionManager"]
 

@@ -16,16 +16,17 @@ from app.bindings import Binding, BindingPipeline
 from app.blend import BlendMatcher
 from app.chunk_size import ChunkSizeAuthority
 from app.coordinator import Coordinator, StandaloneCoordinator
-from app.errors import InvalidRequest
 from app.hashing import TokenHasher
 from app.negotiation import NegotiationPolicy
+from app.service import CacheService
 from app.sessions import SessionManager
 from app.settings import Settings
 from app.telemetry import Telemetry
+from contract.errors import InvalidRequest
+from contract.shm_naming import segment_name
 from dataplane.pool import Pool
 from dataplane.registry import Registry
-from dataplane.segments import segment_name, sweep_stale_segments
-from dataplane.service import CacheService
+from dataplane.segments import sweep_stale_segments
 from dataplane.transfer import configure_copy_threads
 
 __all__ = ["BINDING_ORDER", "Runtime", "build_runtime"]

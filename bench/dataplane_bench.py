@@ -44,7 +44,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dataplane.segments import Segment, segment_name
+from contract.shm_naming import segment_name
+from dataplane.segments import Segment
 from tests.support import server_process
 
 LAYERS = 32

@@ -11,7 +11,7 @@ attributes vLLM defines rather than by ``isinstance``:
   HiSparse specs, ``SlidingWindowMLASpec(bounded_replay=True)``);
 - ``spec.kv_cache_specs`` on ``UniformTypeKVCacheSpecs``, which wraps per-layer specs.
 
-DESIGN s.2: a group's effective token span is ``block_size * dcp_size`` when the
+docs/design.md s.2: a group's effective token span is ``block_size * dcp_size`` when the
 spec is DCP-sharded, else ``block_size`` (recurrent state is replicated across DCP
 ranks) -- the same rule as ``vllm.v1.core.kv_cache_utils.resolve_dcp_kv_block_size``.
 ``required_alignment`` is the lcm of the spans of the cacheable groups, and a
@@ -20,12 +20,12 @@ negotiated chunk size must be a multiple of every one of them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from connector.errors import LayoutError
+from contract.chunking import is_aligned, lcm_of_spans, smallest_multiple_at_least
 
 __all__ = [
     "GroupKind",
@@ -180,25 +180,25 @@ def layout_from_groups(groups: Sequence[Any], dcp_size: int = 1) -> KVLayout:
 
 
 def required_alignment(spans: Iterable[int]) -> int:
-    """lcm of the token spans of the cacheable groups."""
+    """lcm of the token spans of the cacheable groups (``contract.chunking``)."""
     values = list(spans)
     if not values:
         raise LayoutError(
             "no cacheable KV cache group: every group is scratch or has KV transfer "
             "disabled, so there is nothing for mpcache to store"
         )
-    if any(v < 1 for v in values):
-        raise LayoutError(f"token spans must be >= 1, got {values}")
-    return math.lcm(*values)
+    try:
+        return lcm_of_spans(values)
+    except ValueError as exc:
+        raise LayoutError(str(exc)) from exc
 
 
 def resolve_chunk_size(alignment: int, min_chunk_size: int) -> int:
     """Smallest multiple of ``alignment`` that is >= ``min_chunk_size`` (seed rule)."""
-    if alignment < 1 or min_chunk_size < 1:
-        raise LayoutError(
-            f"alignment and min_chunk_size must be >= 1, got {alignment} and {min_chunk_size}"
-        )
-    return -(-min_chunk_size // alignment) * alignment
+    try:
+        return smallest_multiple_at_least(alignment, min_chunk_size)
+    except ValueError as exc:
+        raise LayoutError(str(exc)) from exc
 
 
 def check_chunk_size(chunk_size: int, spans: Iterable[int]) -> None:
@@ -206,7 +206,7 @@ def check_chunk_size(chunk_size: int, spans: Iterable[int]) -> None:
     values = list(spans)
     if chunk_size < 1:
         raise LayoutError(f"chunk size must be >= 1, got {chunk_size}")
-    bad = sorted({s for s in values if chunk_size % s})
+    bad = sorted({s for s in values if not is_aligned(chunk_size, s)})
     if bad:
         raise LayoutError(
             f"chunk size {chunk_size} is not a multiple of the token span(s) {bad} of "

@@ -5,7 +5,7 @@ each with a short timeout; ``AsyncControlClient`` (``httpx.AsyncClient``) serves
 heartbeat loop. Both take an injectable transport (``httpx.MockTransport``,
 ``httpx.ASGITransport``, respx) so tests need no sockets.
 
-Every request body is an ``app.schemas`` model and every reply is validated into
+Every request body is an ``contract.schemas`` model and every reply is validated into
 one, so both ends share one contract. httpx errors and non-2xx replies are
 translated into ``connector.errors`` in exactly one place, ``_translate`` plus
 ``_parse_reply``; nothing else in the connector catches httpx exceptions.
@@ -21,7 +21,14 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from app.schemas import (
+from connector.errors import (
+    ProtocolError,
+    ServerFailure,
+    ServerRejected,
+    ServerTimeout,
+    ServerUnreachable,
+)
+from contract.schemas import (
     ChunkSizeResponse,
     EndSessionsRequest,
     EndSessionsResponse,
@@ -36,13 +43,6 @@ from app.schemas import (
     RetrieveResponse,
     StoreRequest,
     StoreResponse,
-)
-from connector.errors import (
-    ProtocolError,
-    ServerFailure,
-    ServerRejected,
-    ServerTimeout,
-    ServerUnreachable,
 )
 
 __all__ = ["AsyncControlClient", "ControlClient", "TransportFactory"]

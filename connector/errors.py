@@ -16,7 +16,7 @@ adapters catch ``ConnectorError`` there and degrade instead.
         │   └── ServerTimeout     the call ran past its timeout
         ├── ServerRejected        4xx with a problem body (our request was wrong)
         ├── ServerFailure         5xx (503 carries retry_after_s)
-        └── ProtocolError         a 2xx whose body does not match app.schemas
+        └── ProtocolError         a 2xx whose body does not match contract.schemas
 """
 
 from __future__ import annotations

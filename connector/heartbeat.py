@@ -2,7 +2,7 @@
 
 Never runs on vLLM's threads and is started lazily by the adapter (nothing starts at
 import). Every ``interval_s`` it calls ``GET /health`` on each server with an
-``httpx.AsyncClient``. A restart is detected two ways (DESIGN s.3):
+``httpx.AsyncClient``. A restart is detected two ways (docs/design.md s.3):
 
 - an unhealthy -> healthy edge (the server was unreachable, or a call on vLLM's
   thread failed and marked it suspect), and

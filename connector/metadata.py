@@ -3,51 +3,17 @@
 vLLM ships the step's connector metadata from the scheduler process to every worker;
 these frozen dataclasses are its payload (``connector.vllm`` wraps a ``StepPlan`` in
 vLLM's ``KVConnectorMetadata``). Tokens travel as base64 little-endian int32
-(``tokens_b64``), the compact form ``app.schemas.TokenSpan`` accepts.
+(``tokens_b64``, ``contract.tokens``).
 """
 
 from __future__ import annotations
 
-import base64
-import sys
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from app.schemas import NULL_BLOCK_ID, TransferItem
+from contract.schemas import NULL_BLOCK_ID, TransferItem
 
-__all__ = ["NULL_BLOCK_ID", "StepPlan", "TokenEncoder", "TransferOp", "encode_tokens"]
-
-_SWAP = sys.byteorder != "little"
-
-
-def encode_tokens(tokens: Sequence[int]) -> str:
-    """Token ids as base64 of little-endian int32."""
-    packed = array("i", tokens)
-    if _SWAP:  # pragma: no cover - big-endian hosts only
-        packed.byteswap()
-    return base64.b64encode(packed.tobytes()).decode("ascii")
-
-
-class TokenEncoder:
-    """Incremental ``encode_tokens`` for one request's growing token list.
-
-    A long prompt is encoded once; later steps only pack the tokens they add.
-    """
-
-    __slots__ = ("_packed",)
-
-    def __init__(self) -> None:
-        self._packed = array("i")
-
-    def encode(self, tokens: Sequence[int], end: int) -> str:
-        have = len(self._packed)
-        if end > have:
-            more = array("i", tokens[have:end])
-            if _SWAP:  # pragma: no cover
-                more.byteswap()
-            self._packed.extend(more)
-        return base64.b64encode(memoryview(self._packed)[:end].tobytes()).decode("ascii")
+__all__ = ["StepPlan", "TransferOp"]
 
 
 @dataclass(frozen=True)

@@ -38,19 +38,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.schemas import (
-    NULL_BLOCK_ID,
-    EndSessionsRequest,
-    LookupItem,
-    LookupRequest,
-    NegotiateRequest,
-)
 from connector.alignment import KVLayout, check_chunk_size
 from connector.client import AsyncControlClient, ControlClient, TransportFactory
 from connector.config import ConnectorConfig
 from connector.errors import ConnectorError, ServerError
 from connector.heartbeat import AsyncTransportFactory, Heartbeat
-from connector.metadata import StepPlan, TokenEncoder, TransferOp
+from connector.metadata import StepPlan, TransferOp
 from connector.servers import (
     ServerLink,
     agree_chunk_size,
@@ -59,6 +52,14 @@ from connector.servers import (
     ranks_of_server,
     renegotiate,
 )
+from contract.schemas import (
+    NULL_BLOCK_ID,
+    EndSessionsRequest,
+    LookupItem,
+    LookupRequest,
+    NegotiateRequest,
+)
+from contract.tokens import TokenEncoder
 
 __all__ = ["SchedulerAdapter"]
 

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
-from app.schemas import NegotiateRequest, NegotiateResponse
 from connector.client import AsyncControlClient, ControlClient
 from connector.errors import (
     ConnectorError,
@@ -28,6 +27,7 @@ from connector.errors import (
     ServerUnreachable,
     StartupError,
 )
+from contract.schemas import NegotiateRequest, NegotiateResponse
 
 __all__ = [
     "ServerLink",
@@ -146,7 +146,7 @@ def negotiate_request(
 async def renegotiate(
     client: AsyncControlClient, request: NegotiateRequest, chunk_size: int, *, holder: str
 ) -> NegotiateResponse:
-    """Re-negotiate with a restarted server (DESIGN s.3, steps 1-2).
+    """Re-negotiate with a restarted server (docs/design.md s.3, steps 1-2).
 
     Raises ``RecoveryError`` unless the server answers exactly ``chunk_size``, the size
     ``holder`` (e.g. "this engine") already runs with.

@@ -16,7 +16,7 @@ pointer keeps the mmap alive), so vLLM's tensors stay valid after the unlink. Th
 server only maps and unmaps. Names carry the creator's PID namespace and pid
 (``mpcache-w-<pidns>-<pid>-...``) so a sweep of stale segments can tell live owners
 from dead ones; names, prefixes, the free-space check and the sweep are defined once,
-in ``dataplane.segments``, and re-exported here. A worker may call
+in ``contract.shm_naming``, and re-exported here. A worker may call
 ``sweep_stale_worker_segments()`` at its start to remove segments of crashed workers.
 
 posix_ipc and OS errors are translated into ``SegmentError`` here, and only here.
@@ -32,15 +32,15 @@ from collections.abc import Iterator
 
 import torch
 
-from app.errors import SharedMemoryExhausted
 from connector.errors import SegmentError
-from dataplane.segments import (
+from contract.errors import SharedMemoryExhausted
+from contract.shm_naming import (
     SEGMENT_PREFIX,
     WORKER_PREFIX,
     check_free_space,
     sweep_stale_worker_segments,
 )
-from dataplane.segments import segment_name as _segment_name
+from contract.shm_naming import segment_name as _segment_name
 
 __all__ = [
     "SEGMENT_PREFIX",
@@ -60,7 +60,7 @@ def segment_name(rank: int, index: int) -> str:
     """A fresh name ``mpcache-w-<pidns>-<pid>-r<rank>_<index>_<random>`` (no leading slash).
 
     The server's scheme is ``mpcache-<kind>-<pidns>-<pid>-<token>``
-    (``dataplane.segments``): it maps only ``mpcache-w-`` names and sweeps one only
+    (``contract.shm_naming``): it maps only ``mpcache-w-`` names and sweeps one only
     when its ``<pidns>`` is its own and its ``<pid>`` is dead.
     """
     return _segment_name("w", token=f"r{rank}_{index}_{secrets.token_hex(3)}")

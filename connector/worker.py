@@ -7,7 +7,7 @@ cache with that server:
 
 - CPU tensors: their storages move into POSIX shm segments in place
   (``connector.shm``), so vLLM and the server use the same pages;
-- CUDA tensors: IPC handles (``connector.cuda_ipc``, Note [mpcache CUDA IPC invariants]).
+- CUDA tensors: IPC handles (``contract.cuda_ipc``, Note [mpcache CUDA IPC invariants]).
 
 Each step makes at most one ``/cache/retrieve`` (``start_load_kv``) and one
 ``/cache/store`` (``wait_for_save``) call, batching every request of the step.
@@ -25,7 +25,7 @@ retrieve waits ``request_timeout_s`` (``T``) for its reply, counted by httpx fro
 when the request has been sent; once it gives up, vLLM reuses the blocks. So the
 call carries ``timeout_s = server_budget_s(T) = 0.75 * T`` and the server, counting
 from receipt, commits no further chunk and writes no further block once that budget
-has passed (``app.schemas`` ``_TransferBatch.timeout_s``). The server stops at about
+has passed (``contract.schemas`` ``_TransferBatch.timeout_s``). The server stops at about
 ``send + transit + 0.75 * T``, before the client gives up at ``send + T``, as long as
 the one-way transit plus the chunk copy in flight at the deadline take less than
 ``0.25 * T`` (0.5 s with the default ``T`` of 2 s). A call without this budget, or a
@@ -41,20 +41,9 @@ from typing import Any
 
 import torch
 
-from app.schemas import (
-    GroupInfo,
-    LayerInfo,
-    NegotiateRequest,
-    RegisterRequest,
-    RetrieveRequest,
-    ShmTensor,
-    StoreRequest,
-    TensorDescriptor,
-)
 from connector.alignment import KVLayout, check_chunk_size
 from connector.client import AsyncControlClient, ControlClient, TransportFactory
 from connector.config import ConnectorConfig
-from connector.cuda_ipc import describe_cuda_tensor, dtype_name
 from connector.errors import ConnectorError, LayoutError, ServerError, StartupError
 from connector.heartbeat import AsyncTransportFactory, Heartbeat
 from connector.metadata import StepPlan, TransferOp
@@ -67,6 +56,18 @@ from connector.servers import (
     server_for_rank,
 )
 from connector.shm import ShmKVSegment, segment_name, sweep_stale_worker_segments
+from contract.cuda_ipc import describe as describe_cuda_tensor
+from contract.dtypes import dtype_name
+from contract.schemas import (
+    GroupInfo,
+    LayerInfo,
+    NegotiateRequest,
+    RegisterRequest,
+    RetrieveRequest,
+    ShmTensor,
+    StoreRequest,
+    TensorDescriptor,
+)
 
 __all__ = ["SERVER_BUDGET_FRACTION", "WorkerAdapter", "server_budget_s"]
 

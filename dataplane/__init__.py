@@ -3,13 +3,15 @@
 Pure maths is kept apart from I/O:
 
 - ``layout``       chunk layout of a registration (regions, slots, signature); pure
-- ``segments``     POSIX shm segments: naming, ownership, free-space check, stale sweep
+- ``segments``     the server's POSIX shm segments: ownership, pre-fault, stale sweep
 - ``pool``         the L1 cache: pages in one owned segment, LRU, pins, leases
 - ``descriptors``  validate tensor descriptors, then map shm and build zero-copy views
 - ``cuda_ipc``     GPU tensors by CUDA IPC (Note [mpcache CUDA IPC invariants])
 - ``transfer``     copy plans and the gather/scatter kernels
 - ``registry``     registrations keyed by (instance_id, rank)
-- ``service``      the cache operations the routes call
+
+It imports only ``contract`` (names, schemas, errors); the cache operations that
+use it live above it, in ``app.service``.
 
 Importing this package does nothing (no threads, segments or CUDA).
 """

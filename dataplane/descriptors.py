@@ -21,51 +21,22 @@ from dataclasses import dataclass
 
 import torch
 
-from app.errors import InvalidDescriptor, MPCacheError
-from app.schemas import CudaIpcTensor, ShmTensor
-from dataplane.segments import WORKER_PREFIX, Segment
+from contract.dtypes import dtype_name, parse_dtype
+from contract.errors import InvalidDescriptor, MPCacheError
+from contract.schemas import CudaIpcTensor, ShmTensor
+from contract.shm_naming import WORKER_PREFIX
+from dataplane.segments import Segment
 
 __all__ = [
-    "DTYPES",
     "ShmMapping",
     "TensorGeometry",
     "check_shm_name",
     "map_shm",
-    "parse_dtype",
     "shm_view",
     "tensor_geometry",
 ]
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
-"""Dtype names a descriptor may use (``torch.`` prefix accepted)."""
-
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
-
-
-def parse_dtype(name: str, where: str = "tensor") -> torch.dtype:
-    key = name.removeprefix("torch.")
-    dtype = DTYPES.get(key)
-    if dtype is None:
-        raise InvalidDescriptor(
-            f"{where}: unknown dtype {name!r}; use one of {sorted(DTYPES)}",
-            reason="unknown-dtype",
-            dtype=name,
-        )
-    return dtype
 
 
 def check_shm_name(name: str, where: str = "tensor") -> None:
@@ -139,7 +110,7 @@ def tensor_geometry(desc: ShmTensor | CudaIpcTensor, where: str = "tensor") -> T
         raise InvalidDescriptor(f"{where}: shape {list(shape)} is too large", reason="too-large")
     return TensorGeometry(
         dtype=dtype,
-        dtype_name=str(dtype).removeprefix("torch."),
+        dtype_name=dtype_name(dtype),
         itemsize=itemsize,
         shape=shape,
         stride=stride,

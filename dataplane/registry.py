@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.errors import InvalidRequest, NotFound, Unavailable
-from app.schemas import CudaIpcTensor, RegisterRequest, ShmTensor
+from contract.errors import InvalidRequest, NotFound, Unavailable
+from contract.schemas import CudaIpcTensor, RegisterRequest, ShmTensor
 from dataplane import cuda_ipc
 from dataplane.descriptors import ShmMapping, TensorGeometry, map_shm, shm_view, tensor_geometry
 from dataplane.layout import BlockTensorSpec, ChunkLayout, GroupSpec, chunk_layout

@@ -1,27 +1,15 @@
-"""POSIX shared-memory segments: naming, ownership, free-space checks, stale sweep.
+"""POSIX shared-memory segments on the server: ``Segment`` (create, attach, close).
 
-This module holds the one definition of our segment names, prefixes and /dev/shm
-free-space check; the connector (``connector.shm``) imports them from here.
-
-Every segment mpcache touches is named ``mpcache-<kind>-<pidns>-<pid>-<token>``:
-
-- ``mpcache-pool-<pidns>-<pid>-<token>``: the server's cache pool, created by the server;
-- ``mpcache-w-<pidns>-<pid>-<token>``: a worker's KV cache, created by the connector.
-
-``<pid>`` is the creating process and ``<pidns>`` the identity of its PID namespace
-(the inode of ``/proc/self/ns/pid``; 0 where unknown). Containers that share one
-/dev/shm see each other's segments, but a pid is only meaningful inside its own
-namespace: a segment is judged stale (and unlinked by ``sweep_stale``) only when
-its ``<pidns>`` is ours and its ``<pid>`` is dead here. The server sweeps both kinds
-at start (``sweep_stale_segments``); a worker may sweep worker segments at its start
-(``sweep_stale_worker_segments``).
+Names, prefixes, the stale judgement and the /dev/shm free-space check are the
+contract's (``contract.shm_naming``); this module holds the server's mappings.
 
 Ownership (enforced by ``Segment``): the creator owns a segment and is the only
 process that unlinks it; ``close`` of an owner unmaps and unlinks, ``close`` of an
 attacher only unmaps. The server creates only its pool; it attaches worker
-segments and never unlinks them (except stale ones, whose creator is gone).
+segments and never unlinks them (except stale ones, whose creator is gone: the
+server sweeps both kinds at start, ``sweep_stale_segments``).
 
-posix_ipc and OS errors are translated to ``app.errors`` here and nowhere else.
+posix_ipc and OS errors are translated to ``contract.errors`` here and nowhere else.
 """
 
 from __future__ import annotations
@@ -33,179 +21,37 @@ import errno
 import logging
 import mmap
 import os
-import re
-import secrets
 import sys
 import threading
 from collections.abc import Iterator
 
 import posix_ipc
 
-from app.errors import SegmentAccessError, SegmentNotFound, SharedMemoryExhausted
+from contract.errors import SegmentAccessError, SegmentNotFound, SharedMemoryExhausted
+from contract.shm_naming import (
+    POOL_PREFIX,
+    SEGMENT_PREFIX,
+    SHM_DIR,
+    WORKER_PREFIX,
+    check_free_space,
+    fmt_bytes,
+    sweep_stale,
+)
 
-__all__ = [
-    "POOL_PREFIX",
-    "SEGMENT_PREFIX",
-    "SHM_DIR",
-    "SWEPT_PREFIXES",
-    "WORKER_PREFIX",
-    "Segment",
-    "check_free_space",
-    "pid_namespace",
-    "segment_name",
-    "stale_segments",
-    "sweep_stale",
-    "sweep_stale_segments",
-    "sweep_stale_worker_segments",
-]
+__all__ = ["SWEPT_PREFIXES", "Segment", "sweep_stale_segments"]
 
 logger = logging.getLogger(__name__)
-
-SEGMENT_PREFIX = "mpcache-"
-POOL_PREFIX = "mpcache-pool-"
-WORKER_PREFIX = "mpcache-w-"
-SHM_DIR = "/dev/shm"
 
 SWEPT_PREFIXES = (POOL_PREFIX, WORKER_PREFIX)
 """The kinds of segment the server sweeps at start."""
 
-_NAME_RE = re.compile(
-    r"^mpcache-(?P<kind>[a-z]+)-(?P<pidns>[0-9]+)-(?P<pid>[0-9]+)-[A-Za-z0-9_.]+$"
-)
-_TOKEN_RE = re.compile(r"[A-Za-z0-9_.]+")
-_PIDNS_PATH = "/proc/self/ns/pid"
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not exported by Python's mmap module
 _PREFAULT_STEP_BYTES = 64 << 20
-
-
-def pid_namespace() -> int:
-    """Identity of this process's PID namespace (inode of its ns file); 0 if unknown."""
-    try:
-        return os.stat(_PIDNS_PATH).st_ino
-    except OSError:
-        return 0
-
-
-def segment_name(
-    kind: str,
-    pid: int | None = None,
-    *,
-    pidns: int | None = None,
-    token: str | None = None,
-) -> str:
-    """A fresh segment name ``mpcache-<kind>-<pidns>-<pid>-<token>``.
-
-    ``kind`` is ``pool`` or ``w``; ``pid`` and ``pidns`` default to this process's,
-    ``token`` to a random one (letters, digits, ``_`` and ``.`` only).
-    """
-    if not re.fullmatch(r"[a-z]+", kind):
-        raise ValueError(f"segment kind must be lowercase letters, got {kind!r}")
-    if token is None:
-        token = secrets.token_hex(6)
-    elif _TOKEN_RE.fullmatch(token) is None:
-        raise ValueError(f"segment token must be letters, digits, '_' or '.', got {token!r}")
-    pid = os.getpid() if pid is None else pid
-    pidns = pid_namespace() if pidns is None else pidns
-    return f"{SEGMENT_PREFIX}{kind}-{pidns}-{pid}-{token}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
-
-
-def stale_segments(prefix: str = POOL_PREFIX, shm_dir: str = SHM_DIR) -> list[str]:
-    """Names under ``prefix`` whose creating process no longer exists.
-
-    Only names of the form ``mpcache-<kind>-<pidns>-<pid>-<token>`` created in our
-    own PID namespace are judged: a pid from another namespace (another container
-    sharing /dev/shm) says nothing here, so such names are never reported, nor are
-    any when our own namespace is unknown.
-    """
-    ours = pid_namespace()
-    if ours == 0:
-        return []
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return []  # no /dev/shm listing on this platform: nothing to sweep
-    stale = []
-    for name in sorted(names):
-        match = _NAME_RE.match(name)
-        if not name.startswith(prefix) or match is None or int(match["pidns"]) != ours:
-            continue
-        pid = int(match["pid"])
-        if pid != os.getpid() and not _pid_alive(pid):
-            stale.append(name)
-    return stale
-
-
-def sweep_stale(prefix: str = POOL_PREFIX, shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink the segments ``stale_segments`` finds; return the names removed.
-
-    Never raises for a segment it cannot remove (logged and skipped).
-    """
-    removed = []
-    for name in stale_segments(prefix, shm_dir):
-        try:
-            posix_ipc.unlink_shared_memory("/" + name)
-        except posix_ipc.ExistentialError:
-            continue  # another process swept it first
-        except (posix_ipc.Error, OSError) as exc:
-            logger.warning("could not unlink stale segment %s: %s", name, exc)
-            continue
-        logger.warning("unlinked stale segment %s (its creator is gone)", name)
-        removed.append(name)
-    return removed
 
 
 def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
     """Unlink stale pool *and* worker segments (the server, at start)."""
     return [name for prefix in SWEPT_PREFIXES for name in sweep_stale(prefix, shm_dir)]
-
-
-def sweep_stale_worker_segments(shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink stale worker segments (``mpcache-w-...``); for a worker, at its start."""
-    return sweep_stale(WORKER_PREFIX, shm_dir)
-
-
-_POOL_SPACE_ADVICE = (
-    "lower --pool-size (MPCACHE_POOL_SIZE) or give the machine more shared memory "
-    "(e.g. docker run --shm-size)"
-)
-
-
-def check_free_space(
-    size_bytes: int, shm_dir: str = SHM_DIR, *, advice: str = _POOL_SPACE_ADVICE
-) -> None:
-    """Raise ``SharedMemoryExhausted`` unless ``shm_dir`` has ``size_bytes`` free.
-
-    ``advice`` ends the message: what the reader should do about it.
-    """
-    try:
-        st = os.statvfs(shm_dir)
-    except OSError:
-        return  # no statvfs for this path; fallocate still refuses cleanly
-    free_bytes = st.f_bavail * st.f_frsize
-    if free_bytes < size_bytes:
-        raise SharedMemoryExhausted(
-            f"{shm_dir} has {_fmt_bytes(free_bytes)} free but {_fmt_bytes(size_bytes)} "
-            f"is needed; {advice}",
-            free_bytes=free_bytes,
-            needed_bytes=size_bytes,
-        )
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def _check_name(name: str) -> None:
@@ -263,7 +109,7 @@ class Segment:
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                     raise SharedMemoryExhausted(
-                        f"cannot allocate {_fmt_bytes(size_bytes)} for segment {name!r} "
+                        f"cannot allocate {fmt_bytes(size_bytes)} for segment {name!r} "
                         f"in {SHM_DIR}: {exc.strerror}; lower --pool-size or give the "
                         "machine more shared memory",
                         needed_bytes=size_bytes,

@@ -23,7 +23,7 @@ if [ ! -f "$venv/.complete" ]; then
     # The CPU torch first, exactly pinned, so nothing later can pull a CUDA build.
     $pip install -q torch==2.13.0
     $pip install -q -r requirements/dev.txt
-    # vLLM's classes for the connector tests (DESIGN s.6): no deps, CPU torch kept.
+    # vLLM's classes for the connector tests (docs/design.md s.6): no deps, CPU torch kept.
     $pip install -q --no-deps vllm==0.33.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.11 \
         "llguidance>=1.7.0,<1.8.0"
     $pip install -q -r requirements/vllm.txt -c requirements/dev.txt

@@ -8,4 +8,4 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("MPCACHE_POOL_SIZE", "64MiB")
+os.environ.setdefault("MPCACHE_POOL_SIZE", "4MiB")

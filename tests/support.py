@@ -7,13 +7,63 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+
+T = TypeVar("T")
+
+
+DEADLINE_S = 60.0
+"""How long a test waits for something that should happen: generous, since a loaded
+2-core machine can be many times slower than an idle one. Waits end as soon as the
+condition holds, so a passing test never sleeps this long."""
+
+
+def wait_until(
+    predicate: Callable[[], bool],
+    *,
+    timeout_s: float = DEADLINE_S,
+    what: str = "condition",
+    poll_s: float = 0.01,
+) -> None:
+    """Poll ``predicate`` until it holds; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s:g} s")
+        time.sleep(poll_s)
+
+
+def returns_promptly(call: Callable[[], T], *, timeout_s: float = DEADLINE_S) -> T:
+    """Run ``call`` on a helper thread and return its result; fail if it hangs.
+
+    For calls whose contract is "never blocks vLLM indefinitely": a deadlock or an
+    unbounded wait fails the test instead of hanging the suite. Not a speed bound.
+    """
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = call()
+        except BaseException as exc:  # re-raised on the test's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise AssertionError(f"call still running after {timeout_s:g} s: it hangs")
+    if "error" in box:
+        raise box["error"]
+    result: T = box["result"]
+    return result
 
 
 def free_port() -> int:

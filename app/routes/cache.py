@@ -8,7 +8,7 @@ from fastapi import APIRouter
 
 from app.deps import ReceivedAtDep, RuntimeDep
 from app.problems import problem_doc
-from app.schemas import (
+from contract.schemas import (
     BlendMatchRequest,
     BlendMatchResponse,
     EndSessionsRequest,

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Response
 from app import __version__
 from app.deps import RuntimeDep
 from app.problems import problem_doc
-from app.schemas import (
+from contract.schemas import (
     ChunkSizeResponse,
     HealthResponse,
     NegotiateRequest,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 
 from app.deps import RuntimeDep
-from app.errors import NotFound
 from app.problems import problem_doc
-from app.schemas import RegisterRequest, RegisterResponse
+from contract.errors import NotFound
+from contract.schemas import RegisterRequest, RegisterResponse
 
 __all__ = ["router"]
 

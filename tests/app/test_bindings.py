@@ -11,11 +11,11 @@ from fastapi.testclient import TestClient
 from app.bindings import Binding, BindingPipeline
 from app.blend import BlendMatcher
 from app.coordinator import StandaloneCoordinator
-from app.errors import BindingFailed
 from app.hashing import TokenHasher
 from app.sessions import SessionManager
 from app.state import BINDING_ORDER, Runtime
 from app.telemetry import Telemetry
+from contract.errors import BindingFailed
 from tests.app.conftest import MakeClient
 
 COMPONENTS: dict[str, type] = {

@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from app.errors import NotNegotiated
 from app.hashing import KEY_BYTES, TokenHasher
+from contract.errors import NotNegotiated
 from tests.support import ROOT
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.errors import IncompatibleAlignment, InvalidRequest, ResizeAfterSessions
 from app.negotiation import ChunkSizeState, NegotiationPolicy, decide, resolve_chunk_size
+from contract.errors import IncompatibleAlignment, InvalidRequest, ResizeAfterSessions
 
 POLICY = NegotiationPolicy(min_chunk_size=256, max_chunk_size=65536)
 

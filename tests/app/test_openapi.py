@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from app import schemas
+from contract import schemas
 from scripts.gen_openapi import TARGET, render
 
 

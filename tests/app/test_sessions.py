@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.errors import NotNegotiated
 from app.hashing import TokenHasher
 from app.sessions import Session, SessionManager
+from contract.errors import NotNegotiated
 
 
 class Clock:

@@ -1,6 +1,6 @@
 """An in-memory mpcache server double and doubles of vLLM's scheduler objects.
 
-``FakeServer`` speaks the wire contract (``app.schemas``) through
+``FakeServer`` speaks the wire contract (``contract.schemas``) through
 ``httpx.MockTransport`` for both the blocking and the async client, keeps chunks as
 prefix keys per (namespace, rank), and can be taken down or "restarted" (new
 boot_id, forgotten state, optionally another minimum chunk size).
@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from app.schemas import (
+from contract.schemas import (
     EndSessionsRequest,
     LookupRequest,
     NegotiateRequest,

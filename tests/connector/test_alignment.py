@@ -1,4 +1,4 @@
-"""Alignment maths (DESIGN s.2) on vLLM 0.33's real spec classes and on doubles."""
+"""Alignment maths (docs/design.md s.2) on vLLM 0.33's real spec classes and on doubles."""
 
 from __future__ import annotations
 

@@ -10,7 +10,16 @@ import httpx
 import pytest
 import respx
 
-from app.schemas import (
+from connector.client import AsyncControlClient, ControlClient
+from connector.errors import (
+    ProtocolError,
+    ServerError,
+    ServerFailure,
+    ServerRejected,
+    ServerTimeout,
+    ServerUnreachable,
+)
+from contract.schemas import (
     EndSessionsRequest,
     GroupInfo,
     LayerInfo,
@@ -22,15 +31,6 @@ from app.schemas import (
     ShmTensor,
     StoreRequest,
     TransferItem,
-)
-from connector.client import AsyncControlClient, ControlClient
-from connector.errors import (
-    ProtocolError,
-    ServerError,
-    ServerFailure,
-    ServerRejected,
-    ServerTimeout,
-    ServerUnreachable,
 )
 
 URL = "http://mpcache.test:8000"

@@ -8,12 +8,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
 import torch
 
-from app.schemas import CudaIpcTensor, TransferItem
-from connector import cuda_ipc
 from connector.alignment import layout_from_groups
 from connector.client import ControlClient
 from connector.errors import (
@@ -27,7 +24,7 @@ from connector.errors import (
     StartupError,
 )
 from connector.identity import namespace_for
-from connector.metadata import StepPlan, TokenEncoder, TransferOp, encode_tokens
+from connector.metadata import StepPlan, TransferOp
 from connector.servers import (
     ServerLink,
     agree_chunk_size,
@@ -37,38 +34,10 @@ from connector.servers import (
     renegotiate,
     server_for_rank,
 )
+from contract import cuda_ipc
+from contract.schemas import CudaIpcTensor
+from contract.tokens import encode_tokens
 from tests.connector.fakes import AttnSpec, FakeServer, Group
-
-
-def _decode(b64: str) -> list[int]:
-    return np.frombuffer(base64.b64decode(b64), dtype="<i4").tolist()
-
-
-def test_encode_tokens_is_little_endian_int32() -> None:
-    tokens = [0, 1, 255, 256, 2**31 - 1]
-    assert _decode(encode_tokens(tokens)) == tokens
-    assert (
-        TransferItem(
-            request_id="r",
-            namespace="n",
-            tokens_b64=encode_tokens(tokens),
-            start_token=0,
-            end_token=5,
-            block_ids=[[]],
-        )
-        .token_array()
-        .tolist()
-        == tokens
-    )
-
-
-def test_token_encoder_grows_incrementally() -> None:
-    tokens = list(range(100))
-    enc = TokenEncoder()
-    assert _decode(enc.encode(tokens, 10)) == tokens[:10]
-    tokens.extend(range(100, 120))
-    assert _decode(enc.encode(tokens, 120)) == tokens
-    assert _decode(enc.encode(tokens, 64)) == tokens[:64]
 
 
 def test_plan_pickles_and_touched_blocks() -> None:
@@ -119,7 +88,7 @@ def test_negotiate_retries_503_then_succeeds() -> None:
     client = ControlClient(fake.url, timeout_s=1, transport=fake.transport())
     sleeps: list[float] = []
     try:
-        from app.schemas import NegotiateRequest
+        from contract.schemas import NegotiateRequest
 
         reply = negotiate_until(
             client, NegotiateRequest(required_alignment=16), 1e18, sleep=sleeps.append
@@ -132,7 +101,7 @@ def test_negotiate_retries_503_then_succeeds() -> None:
 
 
 def test_negotiate_gives_up_at_deadline_and_never_retries_4xx() -> None:
-    from app.schemas import NegotiateRequest
+    from contract.schemas import NegotiateRequest
 
     fake = FakeServer(min_chunk_size=64)
     client = ControlClient(fake.url, timeout_s=1, transport=fake.transport())
@@ -236,7 +205,7 @@ def test_cuda_descriptor_fields(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda _d: SimpleNamespace(uuid="GPU-1234")
     )
-    d = cuda_ipc.describe_cuda_tensor(t, block_dim=0)  # type: ignore[arg-type]
+    d = cuda_ipc.describe(t, block_dim=0)  # type: ignore[arg-type]
     assert isinstance(d, CudaIpcTensor)
     assert d.model_dump() == {
         "transport": "cuda_ipc",
@@ -260,7 +229,7 @@ def test_cuda_descriptor_fields(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_descriptor_real_gpu() -> None:  # pragma: no cover - GPU only
     t = torch.zeros(8, 2, 16, 4, device="cuda", dtype=torch.float16)
-    d = cuda_ipc.describe_cuda_tensor(t[:, 1], block_dim=0)
+    d = cuda_ipc.describe(t[:, 1], block_dim=0)
     assert d.shape == [8, 16, 4] and d.stride == [128, 4, 1]
     assert d.tensor_offset == 64
     assert d.device_uuid in str(torch.cuda.get_device_properties(0).uuid)

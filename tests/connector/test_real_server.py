@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -61,14 +60,6 @@ def _pair(url: str, instance: str) -> tuple[SchedulerAdapter, WorkerAdapter]:
         **common,  # type: ignore[arg-type]
     )
     return sched, worker
-
-
-def _wait(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
 
 
 def test_round_trip_same_bytes(server: str) -> None:

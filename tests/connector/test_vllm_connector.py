@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,16 +14,7 @@ import pytest
 from connector.errors import StartupError
 from tests.connector.conftest import require_vllm
 from tests.connector.fakes import FakeServer
-from tests.support import ROOT, server_process
-
-
-def _wait(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
-
+from tests.support import ROOT, server_process, wait_until
 
 # --------------------------------------------------------------- import hygiene
 
@@ -239,7 +229,7 @@ def test_scheduler_in_the_loop_fake_server(
     paths = fake.paths()
     assert paths.count("POST /cache/retrieve") == 1
     assert paths.count("POST /cache/store") == 2  # one batched call per step with work
-    _wait(lambda: fake.ended == ["A"])  # A's session ended off vLLM's thread
+    wait_until(lambda: fake.ended == ["A"])  # A's session ended off vLLM's thread
 
 
 @pytest.mark.vllm
@@ -349,7 +339,8 @@ def test_load_error_escaping_the_adapter_is_reported_failed(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """start_load_kv swallows the error; vLLM must still learn the blocks are bad."""
-    from connector.metadata import TransferOp, encode_tokens
+    from connector.metadata import TransferOp
+    from contract.tokens import encode_tokens
     from tests.connector.vllm_support import LAYERS, make_kv_cache_config
 
     conn = _worker_connector(
@@ -380,7 +371,8 @@ def test_get_finished_does_not_lose_failed_loads(
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from connector.metadata import TransferOp, encode_tokens
+    from connector.metadata import TransferOp
+    from contract.tokens import encode_tokens
     from tests.connector.vllm_support import HEAD_SIZE, LAYERS, NUM_KV_HEADS, make_kv_cache_config
 
     if multi_group:

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataplane.segments import SHM_DIR, Segment, segment_name
+from contract.shm_naming import SHM_DIR, segment_name
+from dataplane.segments import Segment
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "test-model|layout-v1|ws1"

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from contract.shm_naming import segment_name
 from dataplane.pool import PRESENT, Entry, PageAllocator, Pool
-from dataplane.segments import segment_name
 
 PAGE = 4096
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from app.schemas import NULL_BLOCK_ID
-from dataplane.segments import SHM_DIR
+from contract.schemas import NULL_BLOCK_ID
+from contract.shm_naming import SHM_DIR
 from tests.dataplane.support import (
     NAMESPACE,
     KVFactory,

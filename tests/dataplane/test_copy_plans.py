@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.schemas import ShmTensor
+from contract.schemas import ShmTensor
 from dataplane.descriptors import tensor_geometry
 from dataplane.layout import BlockTensorSpec, ChunkLayout, GroupSpec, chunk_layout
 from dataplane.transfer import TensorPlan, block_runs, gather_chunk, make_plan, scatter_chunk

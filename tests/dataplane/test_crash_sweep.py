@@ -13,7 +13,7 @@ from typing import Any
 import posix_ipc
 import pytest
 
-from dataplane.segments import SHM_DIR, pid_namespace, segment_name
+from contract.shm_naming import SHM_DIR, pid_namespace, segment_name
 from tests.support import server_process
 
 

@@ -1,4 +1,4 @@
-"""CUDA IPC descriptors (see Note [mpcache CUDA IPC invariants] in dataplane/cuda_ipc.py).
+"""CUDA IPC descriptors (see Note [mpcache CUDA IPC invariants] in contract/cuda_ipc.py).
 
 The round trip needs a GPU and carries the ``cuda`` marker; the rest runs anywhere.
 """
@@ -12,9 +12,10 @@ import textwrap
 import pytest
 import torch
 
-from app.errors import InvalidDescriptor
-from app.schemas import CudaIpcTensor
-from dataplane.cuda_ipc import normalise_uuid, rebuild
+from contract.cuda_ipc import normalise_uuid
+from contract.errors import InvalidDescriptor
+from contract.schemas import CudaIpcTensor
+from dataplane.cuda_ipc import rebuild
 from dataplane.descriptors import tensor_geometry
 from tests.support import ROOT
 
@@ -63,7 +64,7 @@ def test_without_cuda_a_cuda_descriptor_is_refused() -> None:
 PRODUCER = textwrap.dedent(
     """
     import sys, time, torch
-    from dataplane.cuda_ipc import describe
+    from contract.cuda_ipc import describe
     kv = torch.arange(2 * 8 * 16 * 4, dtype=torch.float32, device="cuda").view(2, 8, 16, 4)
     kv = kv.to(torch.bfloat16)
     torch.cuda.synchronize()

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from app.errors import InvalidDescriptor
-from app.schemas import ShmTensor
+from contract.errors import InvalidDescriptor
+from contract.schemas import ShmTensor
 from dataplane.descriptors import check_shm_name, parse_dtype, shm_view, tensor_geometry
 
 
@@ -74,7 +74,7 @@ def test_bad_names(name: str) -> None:
 
 def test_worker_segment_names_are_accepted() -> None:
     from connector.shm import segment_name as connector_segment_name
-    from dataplane.segments import pid_namespace, segment_name
+    from contract.shm_naming import pid_namespace, segment_name
 
     made_by_connector = connector_segment_name(3, 1)
     assert made_by_connector.startswith(f"mpcache-w-{pid_namespace()}-{os.getpid()}-r3_1_")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import subprocess
 import sys
@@ -12,19 +13,18 @@ from contextlib import contextmanager
 import posix_ipc
 import pytest
 
-import dataplane.segments
-from app.errors import SegmentNotFound, SharedMemoryExhausted
-from dataplane.segments import (
+import contract.shm_naming
+from contract.errors import SegmentNotFound, SharedMemoryExhausted
+from contract.shm_naming import (
     SHM_DIR,
-    Segment,
     check_free_space,
     pid_namespace,
     segment_name,
     stale_segments,
     sweep_stale,
-    sweep_stale_segments,
     sweep_stale_worker_segments,
 )
+from dataplane.segments import Segment, sweep_stale_segments
 
 
 def _dead_pid() -> int:
@@ -91,7 +91,7 @@ def test_nothing_is_swept_when_our_pid_namespace_is_unknown(
 ) -> None:
     name = segment_name("w", pid=_dead_pid())
     with _bare_segments(name):
-        monkeypatch.setattr(dataplane.segments, "_PIDNS_PATH", "/nonexistent/ns/pid")
+        monkeypatch.setattr(contract.shm_naming, "_PIDNS_PATH", "/nonexistent/ns/pid")
         assert pid_namespace() == 0
         assert stale_segments("mpcache-w-") == []
         assert sweep_stale_worker_segments() == []
@@ -160,7 +160,8 @@ def test_sweep_leaves_other_kinds_alone() -> None:
         posix_ipc.unlink_shared_memory("/" + worker)
 
 
-def test_full_dev_shm_is_a_clear_error_not_a_sigbus() -> None:
+def test_full_dev_shm_is_a_clear_error_not_a_sigbus(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Asking the up-front check for more than is free allocates nothing: it reads statvfs.
     st = os.statvfs(SHM_DIR)
     too_big = st.f_bavail * st.f_frsize + (1 << 30)
     with pytest.raises(SharedMemoryExhausted, match="lower --pool-size"):
@@ -168,9 +169,24 @@ def test_full_dev_shm_is_a_clear_error_not_a_sigbus() -> None:
     name = segment_name("pool")
     with pytest.raises(SharedMemoryExhausted):
         Segment.create(name, too_big)
-    # Without the up-front check, fallocate still refuses before any page is touched.
-    with pytest.raises(SharedMemoryExhausted, match="cannot allocate"):
-        Segment.create(name, too_big, check_space=False)
+    assert not _exists(name)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.ENOMEM, errno.EFBIG])
+def test_a_refused_allocation_is_a_clear_error_and_leaves_no_segment(
+    monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    # Past the check (another process may fill /dev/shm in between), the kernel's
+    # refusal is the backstop. It is driven here without touching real memory: on a
+    # tmpfs larger than what is free, a real oversized fallocate fills it page by page.
+    def refuse(fd: int, offset: int, length: int) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse)
+    name = segment_name("pool")
+    with pytest.raises(SharedMemoryExhausted, match=r"cannot allocate 4\.0 MiB") as info:
+        Segment.create(name, 4 << 20, check_space=False)
+    assert info.value.extras["needed_bytes"] == 4 << 20
     assert not _exists(name)
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-import dataplane.service
+import app.service
 from tests.dataplane.support import (
     KVFactory,
     ShmKV,
@@ -55,8 +55,8 @@ class SlowCopy:
 
 
 def _slow(monkeypatch: pytest.MonkeyPatch, name: str, slow: set[int], delay_s: float) -> SlowCopy:
-    wrapper = SlowCopy(getattr(dataplane.service, name), slow, delay_s)
-    monkeypatch.setattr(dataplane.service, name, wrapper)
+    wrapper = SlowCopy(getattr(app.service, name), slow, delay_s)
+    monkeypatch.setattr(app.service, name, wrapper)
     return wrapper
 
 

@@ -4,7 +4,7 @@
 keys, leases), the pool, the registry and the copy kernels together, and keeps
 the telemetry and the CacheBlend index in step with the pool.
 
-Semantics (``app.schemas`` has the wire shapes):
+Semantics (``contract.schemas`` has the wire shapes):
 
 - Every operation needs a final chunk size (409 ``NotNegotiated`` before that).
 - A chunk is identified by its prefix key and a rank. ``lookup`` counts a chunk
@@ -46,9 +46,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from app.blend import BlendMatcher
-from app.errors import ChunkSizeMismatch, FeatureDisabled, InvalidRequest, NotNegotiated
 from app.hashing import TokenHasher
-from app.schemas import (
+from app.sessions import Session, SessionManager
+from app.telemetry import Telemetry
+from contract.errors import ChunkSizeMismatch, FeatureDisabled, InvalidRequest, NotNegotiated
+from contract.schemas import (
     BlendChunk,
     BlendMatchRequest,
     BlendMatchResponse,
@@ -68,8 +70,6 @@ from app.schemas import (
     TokenSpan,
     TransferItem,
 )
-from app.sessions import Session, SessionManager
-from app.telemetry import Telemetry
 from dataplane.layout import chunk_block_ids, slot_mask
 from dataplane.pool import PRESENT, DropReason, Entry, Pool
 from dataplane.registry import Registration, Registry, build_registration

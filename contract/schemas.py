@@ -3,9 +3,9 @@
 These pydantic models are the only source of the schema; ``openapi/openapi.json``
 is generated from them (``make openapi``) and a test fails when it drifts. The
 connector builds its requests from the same models, so both sides agree by
-construction. Names fixed by DESIGN s.4 must not change.
+construction. Names fixed by docs/design.md s.4 must not change.
 
-Conventions (DESIGN s.4, s.5):
+Conventions (docs/design.md s.4, s.5):
 - token counts and positions are in tokens; sizes carry ``_bytes``;
 - a ``namespace`` is the connector's identity for a model and KV layout
   (model name, layout digest, world size); with ``cache_salt`` and the chunk
@@ -24,11 +24,12 @@ Conventions (DESIGN s.4, s.5):
 
 from __future__ import annotations
 
-import base64
 from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+from contract.tokens import decode_tokens
 
 __all__ = [
     "MAX_WORLD_SIZE",
@@ -369,13 +370,7 @@ class TokenSpan(_Body):
         """The tokens as an int32 numpy array (raises ValueError if malformed)."""
         if self.tokens is not None:
             return np.asarray(self.tokens, dtype=np.int32)  # bounded by TokenId
-        raw = base64.b64decode(self.tokens_b64 or "", validate=True)
-        if len(raw) % 4:
-            raise ValueError("tokens_b64 must decode to a whole number of int32 values")
-        tokens = np.frombuffer(raw, dtype="<i4")
-        if tokens.size and int(tokens.min()) < 0:
-            raise ValueError("tokens_b64 holds a negative token id")
-        return tokens
+        return decode_tokens(self.tokens_b64 or "")
 
 
 class LookupItem(TokenSpan):

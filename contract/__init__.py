@@ -1,0 +1,20 @@
+"""mpcache's wire contract: the one home of what the server and the connector share.
+
+Both sides import this package; it imports neither of them, nor any web framework
+(``make lint`` enforces it with import-linter; see docs/design.md s.1):
+
+- ``schemas``     every HTTP request and reply body (pydantic; the OpenAPI source)
+- ``errors``      the domain error tree: problem types, titles and statuses
+- ``tokens``      the compact token form (base64 of little-endian int32)
+- ``chunking``    the chunk-size rule (smallest multiple of the alignment >= minimum)
+- ``dtypes``      tensor dtype names a descriptor may use
+- ``shm_naming``  shared-memory segment names, prefixes, stale judgement, free space
+- ``cuda_ipc``    Note [mpcache CUDA IPC invariants] and the producer's descriptor
+
+Importing it does nothing (no threads, files, sockets or CUDA).
+"""
+
+__version__ = "0.1.0"
+"""The one place the version is written (pyproject reads it; server and connector report it)."""
+
+__all__ = ["__version__"]
