@@ -1,31 +1,42 @@
-# mpcache server image. CPU-only torch keeps it small; for CUDA IPC with GPU workers,
-# build FROM a CUDA runtime image and install the matching CUDA torch instead.
+# mpcache server image, CPU torch: for vLLM on CPU, or GPU vLLM whose KV caches stay
+# in CPU memory. For CUDA IPC with GPU workers use Dockerfile.gpu (vLLM's CUDA torch).
+#
+#   docker build -t mpcache .
+#   docker run --rm --ipc=host --user "$(id -u vllm-user)" mpcache   # README "Container"
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     MPCACHE_HOST=0.0.0.0 \
-    MPCACHE_PORT=8000
+    MPCACHE_ADDRESS_FILE=/tmp/mpcache.address
 
-RUN useradd --create-home --uid 10001 mpcache
 WORKDIR /srv/mpcache
 
-# Dependencies first, for layer caching. torch is pinned to the CPU wheel index.
-COPY pyproject.toml README.md ./
-COPY app ./app
+# 1. The tested pins (requirements/server.txt), before any code, so an edit to the code
+#    reuses this layer. torch first, from the CPU wheel index, at the pinned version.
+COPY requirements/server.txt requirements/server.txt
+RUN pip install --index-url https://download.pytorch.org/whl/cpu \
+        "$(grep -E '^torch==' requirements/server.txt)" \
+ && pip install -r requirements/server.txt
+
+# 2. The code, without dependencies (installed above).
+COPY pyproject.toml README.md LICENSE ./
+COPY contract ./contract
 COPY dataplane ./dataplane
+COPY app ./app
 COPY connector ./connector
-RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
- && pip install .
+RUN pip install --no-deps . && rm -rf build
 
-USER mpcache
-EXPOSE 8000
+# Any uid works: the server must run as the uid of the vLLM processes whose shm
+# segments (mode 0600) it maps, so pass `--user` (Kubernetes: runAsUser). The default
+# is an unprivileged one. /tmp holds the address file.
+USER 65534:65534
+EXPOSE 8733
 
-# The cache pool lives in /dev/shm. Docker's default is 64 MiB: run with
-# --shm-size=<pool size + headroom> (or --ipc=host to share vLLM's /dev/shm, which
-# is also what lets workers outside the container map their KV caches).
-HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-    CMD python -c "import os, urllib.request; urllib.request.urlopen(f'http://127.0.0.1:{os.environ.get(\"MPCACHE_PORT\", \"8000\")}/health', timeout=2)" || exit 1
+# Reads the URL the server actually listens on (MPCACHE_ADDRESS_FILE), so --port and
+# --host given to the container do not make it "unhealthy".
+HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["mpcache", "health", "--timeout-s", "3"]
 
 ENTRYPOINT ["mpcache", "server"]

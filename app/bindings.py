@@ -67,4 +67,4 @@ class BindingPipeline:
                     chunk_size=chunk_size,
                 ) from exc
             self._status[binding.name] = "done"
-            logger.info("bound chunk size %d to %s", chunk_size, binding.name)
+            logger.debug("bound chunk size %d to %s", chunk_size, binding.name)

@@ -19,6 +19,7 @@ from contract.errors import (
     BindingFailed,
     IncompatibleAlignment,
     InvalidRequest,
+    MPCacheError,
     ResizeAfterSessions,
 )
 from contract.schemas import BindingStatus
@@ -59,9 +60,13 @@ class ChunkSizeAuthority:
         with self._lock:
             return ChunkSizeSnapshot(self._state, self._pipeline.status())
 
-    def negotiate(self, required_alignment: int) -> int:
-        """Select or confirm the chunk size for ``required_alignment``; return it."""
+    def negotiate(self, required_alignment: int, *, caller: str = "") -> int:
+        """Select or confirm the chunk size for ``required_alignment``; return it.
+
+        Every outcome is logged once, with ``caller`` (who asked, for the log only).
+        """
         outcome = "ok"
+        who = f" ({caller})" if caller else ""
         try:
             with self._lock:
                 decision = decide(
@@ -79,20 +84,48 @@ class ChunkSizeAuthority:
                 if not self._state.final:
                     self._pipeline.run(decision.chunk_size)
                     self._state = replace(self._state, final=True)
-                    logger.info("chunk size %d is final", decision.chunk_size)
+                    logger.info(
+                        "chunk size %d is final (alignments %s, minimum %d; bound to %s); "
+                        "it never changes for this server process",
+                        decision.chunk_size,
+                        list(self._state.alignments),
+                        self.policy.min_chunk_size,
+                        ", ".join(k for k, v in self._pipeline.status().items() if v == "done"),
+                    )
+                logger.info(
+                    "negotiation: alignment %d -> chunk size %d%s",
+                    required_alignment,
+                    decision.chunk_size,
+                    who,
+                )
                 return decision.chunk_size
-        except InvalidRequest:
-            outcome = "invalid"
+        except MPCacheError as exc:
+            outcome = _outcome(exc)
+            if isinstance(exc, BindingFailed):
+                self._telemetry.binding_failures.labels(str(exc.extras.get("binding"))).inc()
+            logger.warning(
+                "negotiation refused (%s): alignment %d%s: %s",
+                outcome,
+                required_alignment,
+                who,
+                exc.detail,
+            )
             raise
-        except IncompatibleAlignment:
-            outcome = "incompatible"
-            raise
-        except ResizeAfterSessions:
-            outcome = "resize_refused"
-            raise
-        except BindingFailed as exc:
-            outcome = "binding_failed"
-            self._telemetry.binding_failures.labels(str(exc.extras.get("binding"))).inc()
+        except Exception:
+            outcome = "error"
             raise
         finally:
             self._telemetry.negotiations.labels(outcome).inc()
+
+
+def _outcome(exc: MPCacheError) -> str:
+    """The ``outcome`` label of a refused negotiation."""
+    if isinstance(exc, InvalidRequest):
+        return "invalid"
+    if isinstance(exc, IncompatibleAlignment):
+        return "incompatible"
+    if isinstance(exc, ResizeAfterSessions):
+        return "resize_refused"
+    if isinstance(exc, BindingFailed):
+        return "binding_failed"
+    return "error"

@@ -1,65 +1,242 @@
-"""``mpcache server ...``: start the server with CLI flags over ``MPCACHE_*`` env."""
+"""The ``mpcache`` command.
+
+- ``mpcache server [--flag ...]`` runs the server. Its flags are generated from
+  ``app.settings.Settings`` (pydantic-settings CLI support): each setting, its
+  default and its help are written once, there. Flags override ``MPCACHE_*``.
+- ``mpcache health | chunk-size | stats [--url URL] [--json]`` ask a running server.
+  Without ``--url`` they find it the way the server was configured: the URL in
+  ``MPCACHE_ADDRESS_FILE`` if that file exists, else ``MPCACHE_HOST``/``MPCACHE_PORT``
+  (loopback for a wildcard host). Exit status 1 when the server cannot be reached.
+- ``mpcache --version``; bare ``mpcache`` prints the help (exit status 2).
+
+Bad flags and variables fail fast, in one line naming the flag or variable, before
+anything heavy (torch, the data plane) is imported. So does an address the server
+cannot listen on: the CLI binds the socket itself and hands it to uvicorn.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import json
+import logging
+import os
+import signal
+import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ByteSize, Field, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    CliApp,
+    CliSettingsSource,
+    CliSubCommand,
+    CliToggleFlag,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    get_subcommand,
+)
 
-from app.settings import Settings
+from app.settings import Settings, env_name, unknown_variables
+from contract import __version__
 
 __all__ = ["main", "parse_settings"]
 
+logger = logging.getLogger(__name__)
+
+PROG = "mpcache"
+
+
+class _ClientCommand(BaseModel):
+    url: str | None = Field(
+        None,
+        description="Server base URL. Default: the URL in MPCACHE_ADDRESS_FILE if that file "
+        "exists, else http://MPCACHE_HOST:MPCACHE_PORT (loopback for 0.0.0.0 and ::).",
+    )
+    json_: bool = Field(False, alias="json", description="Print the server's reply as JSON.")
+    timeout_s: float = Field(5.0, gt=0, description="Seconds to wait for the server.")
+
+
+class HealthCommand(_ClientCommand):
+    """Check that the server answers; exit status 1 if it does not."""
+
+
+class ChunkSizeCommand(_ClientCommand):
+    """Show the server's chunk size, its negotiation state and bindings."""
+
+
+class StatsCommand(_ClientCommand):
+    """Show cache, pool and request statistics (read from /metrics)."""
+
+
+class Cli(BaseSettings):
+    """mpcache: an external KV-cache server for vLLM, and a client for it."""
+
+    model_config = SettingsConfigDict(cli_prog_name=PROG, cli_kebab_case=True)
+
+    version: CliToggleFlag[bool] = Field(False, description="Print the version and exit.")
+    server: CliSubCommand[Settings] = Field(description="Run the server.")
+    health: CliSubCommand[HealthCommand] = Field(description="Is the server up?")
+    chunk_size: CliSubCommand[ChunkSizeCommand] = Field(
+        description="The server's chunk size and its bindings."
+    )
+    stats: CliSubCommand[StatsCommand] = Field(description="Cache and pool statistics.")
+
+    def cli_cmd(self) -> None:
+        """Parsing only: ``main`` dispatches."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The command line only (it is added to these): a shell's VERSION or SERVER
+        # variable must not reach the root. Server settings read MPCACHE_* themselves.
+        return (init_settings,)
+
+
+# ------------------------------------------------------------------------ parsing
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mpcache", description="mpcache KV-cache server")
-    sub = parser.add_subparsers(dest="command", required=True)
-    server = sub.add_parser(
-        "server", help="run the server", description="Flags override MPCACHE_* variables."
+    return argparse.ArgumentParser(prog=PROG, description=Cli.__doc__)
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _given(argv: Sequence[str], flag: str) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") for arg in argv)
+
+
+def _describe(exc: ValidationError, argv: Sequence[str]) -> str:
+    """One line per error, naming the flag (or the MPCACHE_* variable) it came from."""
+    lines = []
+    for err in exc.errors():
+        loc = [str(part) for part in err["loc"]]
+        if loc and loc[0] in Settings.model_fields:  # Settings() read from the environment
+            loc = ["server", *loc]
+        field = loc[1] if len(loc) > 1 else None
+        msg = err["msg"].removeprefix("Value error, ")
+        if field is None:
+            lines.append(f"{PROG}: invalid settings: {msg}")
+            continue
+        flag = _flag(field.rstrip("_"))
+        from_env = loc[0] == "server" and not _given(argv, flag)
+        where = env_name(field) if from_env else flag
+        value = err.get("input")
+        shown = (
+            f" (got {value!r})" if isinstance(value, str | int) and repr(value) not in msg else ""
+        )
+        lines.append(f"{PROG}: invalid {where}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def _parse(argv: Sequence[str]) -> tuple[Cli, argparse.ArgumentParser]:
+    parser = _parser()
+    source: CliSettingsSource[Cli] = CliSettingsSource(
+        Cli,
+        root_parser=parser,
+        cli_prog_name=PROG,
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_exit_on_error=True,
     )
-    server.add_argument("--chunk-size", type=int, help="minimum chunk size in tokens (256)")
-    server.add_argument("--max-chunk-size", type=int, help="largest selectable chunk size")
-    server.add_argument("--host", help="bind address (127.0.0.1)")
-    server.add_argument("--port", type=int, help="port (8000)")
-    server.add_argument("--session-ttl-s", type=float, help="idle session lifetime (600)")
-    server.add_argument(
-        "--enable-blend", action="store_true", default=None, help="enable CacheBlend matcher"
-    )
-    server.add_argument("--log-level", help="uvicorn log level (info)")
-    server.add_argument("--pool-size", help="cache pool size, e.g. 4GiB (1GiB)")
-    server.add_argument("--pool-page-size", help="cache pool page size, e.g. 64KiB (64KiB)")
-    server.add_argument(
-        "--pool-prefault",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="populate the pool's page tables at start (on)",
-    )
-    server.add_argument("--lease-ttl-s", type=float, help="lease on looked-up chunks (30)")
-    server.add_argument("--copy-threads", type=int, help="threads per copy; 0 = min(4, cores) (0)")
-    return parser
+    try:
+        cli = CliApp.run(Cli, cli_args=list(argv), cli_settings_source=source)
+    except ValidationError as exc:
+        raise SystemExit(_describe(exc, argv)) from None
+    except SettingsError as exc:
+        raise SystemExit(f"{PROG}: {exc}") from None
+    return cli, parser
+
+
+def _check_environment() -> None:
+    problems = unknown_variables(os.environ)
+    if problems:
+        raise SystemExit("\n".join(f"{PROG}: {p}" for p in problems))
 
 
 def parse_settings(argv: Sequence[str]) -> Settings:
-    """Settings from env, overridden by the flags given; raise SystemExit on bad input."""
-    args = _parser().parse_args(argv)
-    overrides: dict[str, Any] = {
-        k: v for k, v in vars(args).items() if k != "command" and v is not None
-    }
+    """Settings of ``mpcache server ...`` (env, then flags); SystemExit on bad input."""
+    cli, _ = _parse(argv)
+    command = get_subcommand(cli, is_required=False)
+    if not isinstance(command, Settings):
+        raise SystemExit(f"{PROG}: expected the server command, got {list(argv)}")
+    return command
+
+
+# ------------------------------------------------------------------------- server
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``; SystemExit naming both if that is impossible."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        return Settings(**overrides)
-    except ValidationError as exc:
-        lines = [
-            f"  {'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}"
-            for e in exc.errors()
-        ]
-        raise SystemExit("mpcache: invalid settings:\n" + "\n".join(lines)) from exc
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise SystemExit(f"{PROG}: cannot listen on {where}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        hint = ""
+        if exc.errno == errno.EADDRINUSE:
+            hint = " (another process listens there; choose another --port)"
+        raise SystemExit(f"{PROG}: cannot listen on {where}: {exc.strerror}{hint}") from None
+    return sock
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    settings = parse_settings(sys.argv[1:] if argv is None else argv)
+def _local_url(host: str, port: int) -> str:
+    """The URL a client on this machine uses for a server bound to ``host:port``."""
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+@contextlib.contextmanager
+def _address_file(path: Path | None, url: str) -> Iterator[None]:
+    if path is None:
+        yield
+        return
+    path.write_text(url + "\n")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if path.read_text().strip() == url:
+                path.unlink()
+
+
+def _exit_on_signal(signum: int, _: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def serve(settings: Settings) -> None:
+    from app.logs import configure_logging
+
+    configure_logging(settings.log_level, settings.log_format)
+    sock = _listen(settings.host, settings.port)
+    port = int(sock.getsockname()[1])
+    url = _local_url(settings.host, port)
+
+    # Heavy imports (torch) from here on.
     from contract.errors import SharedMemoryExhausted
     from contract.shm_naming import check_free_space
     from dataplane.segments import sweep_stale_segments
@@ -69,14 +246,204 @@ def main(argv: Sequence[str] | None = None) -> None:
         sweep_stale_segments()
         check_free_space(settings.pool_size)
     except SharedMemoryExhausted as exc:
-        raise SystemExit(f"mpcache: {exc.detail}") from exc
+        sock.close()
+        raise SystemExit(f"{PROG}: {exc.detail}") from None
     import uvicorn
 
     from app.main import create_app
 
-    uvicorn.run(
+    logger.info(
+        "mpcache %s listening on %s:%d: API %s, docs %s/docs, metrics %s/metrics",
+        __version__,
+        settings.host,
+        port,
+        url,
+        url,
+        url,
+    )
+    config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
+        port=port,
+        log_config=None,  # configured above (app.logs)
+        lifespan="on",
     )
+    server = uvicorn.Server(config)
+    # uvicorn shuts down gracefully on SIGTERM, then raises it again; exit through
+    # Python then, so that cleanups (the address file) run.
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        with _address_file(settings.address_file, url):
+            server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if not server.started:
+        raise SystemExit(3)  # uvicorn's "startup failed"; the log says why
+
+
+# ------------------------------------------------------------------------- client
+
+
+def _client_url(command: _ClientCommand) -> str:
+    if command.url:
+        return command.url.rstrip("/")
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        raise SystemExit(_describe(exc, [])) from None
+    if settings.address_file is not None and settings.address_file.exists():
+        return settings.address_file.read_text().strip().rstrip("/")
+    return _local_url(settings.host, settings.port)
+
+
+def _get(url: str, path: str, timeout_s: float) -> Any:
+    import httpx
+
+    try:
+        reply = httpx.get(f"{url}{path}", timeout=timeout_s)
+    except httpx.TimeoutException:
+        raise SystemExit(f"{PROG}: {url} did not answer within {timeout_s:g}s") from None
+    except httpx.HTTPError as exc:
+        raise SystemExit(f"{PROG}: cannot reach {url}: {exc}") from None
+    if reply.status_code != 200:
+        raise SystemExit(f"{PROG}: {url}{path} answered HTTP {reply.status_code}: {reply.text}")
+    return reply.json() if path != "/metrics" else reply.text
+
+
+def _table(rows: Sequence[tuple[str, object]]) -> str:
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _size_text(size: int | None, final: bool) -> str:
+    if size is None:
+        return "not selected yet (no negotiation so far)"
+    return f"{size} tokens" + (" (final)" if final else " (selected, not final yet)")
+
+
+def _health(command: HealthCommand, url: str) -> str:
+    from contract.schemas import HealthResponse
+
+    body = _get(url, "/health", command.timeout_s)
+    if command.json_:
+        return json.dumps(body, indent=2)
+    health = HealthResponse.model_validate(body)
+    return _table(
+        [
+            ("server", f"{url}: {health.status}"),
+            ("version", health.version),
+            ("boot_id", health.boot_id),
+            ("uptime", f"{health.uptime_s:.1f} s"),
+            ("chunk size", _size_text(health.chunk_size, health.final)),
+            ("sessions", health.sessions),
+            ("registrations", health.registrations),
+        ]
+    )
+
+
+def _chunk_size(command: ChunkSizeCommand, url: str) -> str:
+    from contract.schemas import ChunkSizeResponse
+
+    body = _get(url, "/chunk-size", command.timeout_s)
+    if command.json_:
+        return json.dumps(body, indent=2)
+    reply = ChunkSizeResponse.model_validate(body)
+    return _table(
+        [
+            ("chunk size", _size_text(reply.chunk_size, reply.final)),
+            ("minimum", f"{reply.min_chunk_size} tokens"),
+            ("maximum", f"{reply.max_chunk_size} tokens"),
+            ("alignments", ", ".join(map(str, reply.alignments)) or "none yet"),
+            ("bindings", ", ".join(f"{k} {v}" for k, v in reply.bindings.items())),
+        ]
+    )
+
+
+def _samples(text: str) -> dict[str, float]:
+    """``name`` or ``name{label=value,...}`` -> value, from Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
+def _stats(command: StatsCommand, url: str) -> str:
+    samples = _samples(_get(url, "/metrics", command.timeout_s))
+    if command.json_:
+        return json.dumps(samples, indent=2, sort_keys=True)
+
+    def value(name: str) -> int:
+        return int(samples.get(name, 0))
+
+    used, capacity = value("mpcache_pool_used_bytes"), value("mpcache_pool_capacity_bytes")
+    hits, misses = value("mpcache_chunks_hit_total"), value("mpcache_chunks_missed_total")
+    looked_up = hits + misses
+    hit_rate = f" ({100 * hits / looked_up:.1f}% hit)" if looked_up else ""
+    negotiations = ", ".join(
+        f"{key.split('=', 1)[1].rstrip('}')} {int(v)}"
+        for key, v in sorted(samples.items())
+        if key.startswith("mpcache_negotiations_total{")
+    )
+    requests = []
+    for key, count in sorted(samples.items()):
+        if key.startswith("mpcache_cache_op_duration_seconds_count{") and count:
+            op = key.split("=", 1)[1].rstrip("}")
+            total = samples[key.replace("_count{", "_sum{")]
+            requests.append(f"{op} {int(count)} ({1000 * total / count:.2f} ms mean)")
+    return _table(
+        [
+            ("chunk size", value("mpcache_chunk_size_tokens") or "not selected yet"),
+            ("sessions", value("mpcache_sessions")),
+            ("registrations", value("mpcache_registrations")),
+            (
+                "pool",
+                f"{ByteSize(used).human_readable()} of {ByteSize(capacity).human_readable()} "
+                f"used ({100 * used / capacity if capacity else 0:.1f}%)",
+            ),
+            (
+                "chunks",
+                f"stored {value('mpcache_chunks_stored_total')}, looked up {looked_up}"
+                f"{hit_rate}, evicted {value('mpcache_chunks_evicted_total')}",
+            ),
+            (
+                "copied",
+                f"store {ByteSize(value('mpcache_copied_bytes_total{op=store}')).human_readable()}"
+                ", retrieve "
+                f"{ByteSize(value('mpcache_copied_bytes_total{op=retrieve}')).human_readable()}",
+            ),
+            ("negotiations", negotiations or "none"),
+            ("cache ops", ", ".join(requests) or "none"),
+        ]
+    )
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    cli, parser = _parse(args)
+    if cli.version:
+        print(f"{PROG} {__version__}")
+        return
+    command = get_subcommand(cli, is_required=False)
+    if command is None:
+        parser.print_help()
+        raise SystemExit(2)
+    _check_environment()
+    if isinstance(command, Settings):
+        serve(command)
+        return
+    assert isinstance(command, _ClientCommand)
+    url = _client_url(command)
+    if isinstance(command, HealthCommand):
+        print(_health(command, url))
+    elif isinstance(command, ChunkSizeCommand):
+        print(_chunk_size(command, url))
+    else:
+        assert isinstance(command, StatsCommand)
+        print(_stats(command, url))

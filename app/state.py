@@ -7,7 +7,6 @@ shared-memory segment (unlinked).
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -31,7 +30,6 @@ from dataplane.transfer import configure_copy_threads
 
 __all__ = ["BINDING_ORDER", "Runtime", "build_runtime"]
 
-logger = logging.getLogger(__name__)
 
 BINDING_ORDER = ("token_hasher", "session_manager", "blend_matcher", "telemetry", "coordinator")
 
@@ -62,6 +60,7 @@ class Runtime:
             return
         self.closed = True
         try:
+            self.cache.close()
             self.sessions.close()
             self.registry.close()
         finally:
@@ -115,12 +114,6 @@ def build_runtime(settings: Settings) -> Runtime:
         )
         if settings.pool_prefault:
             pool.start_prefault()
-        logger.info(
-            "cache pool %s: %d bytes in %d-byte pages",
-            pool.segment.name,
-            pool.capacity_bytes,
-            pool.page_size,
-        )
         return Runtime(
             settings=settings,
             boot_id=boot_id,

@@ -1,21 +1,77 @@
 """Prometheus metrics, one registry per server (so tests can build many apps).
 
-Served at ``GET /metrics``. The chunk size is bound like every other
-chunk-dependent part; data-plane counters live here too so every metric has one
-home.
+Served at ``GET /metrics`` by prometheus_client's own ASGI app (text format, or
+OpenMetrics when the scraper asks for it; gzip when accepted). The chunk size is
+bound like every other chunk-dependent part; data-plane counters live here too so
+every metric has one home.
+
+Names follow Prometheus conventions: base units (seconds, bytes) in the name,
+``_total`` on counters, no ``_created`` series. Durations are histograms:
+``mpcache_http_request_duration_seconds`` per route (the route's template, never
+the raw path) and ``mpcache_cache_op_duration_seconds`` per cache operation.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+import platform
+import time
+from collections.abc import Callable
+from importlib import metadata
 
-__all__ = ["Telemetry"]
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+    make_asgi_app,
+)
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from contract import __version__
+
+__all__ = ["LATENCY_BUCKETS_S", "MetricsEndpoint", "RequestTimer", "Telemetry"]
+
+LATENCY_BUCKETS_S = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+"""From half a millisecond (a lookup hit) to seconds (a large store under load)."""
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class Telemetry:
     def __init__(self) -> None:
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide: no _created
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self.build_info = Info("mpcache_build", "Versions this server runs.", registry=r)
+        self.build_info.info(
+            {
+                "version": __version__,
+                "python": platform.python_version(),
+                "torch": _dist_version("torch"),
+            }
+        )
         self.chunk_size = Gauge(
             "mpcache_chunk_size_tokens", "Final chunk size (0 until selected).", registry=r
         )
@@ -35,8 +91,11 @@ class Telemetry:
             "mpcache_chunks_missed", "Chunks looked up but not cached.", registry=r
         )
         self.chunks_evicted = Counter("mpcache_chunks_evicted", "Chunks evicted.", registry=r)
-        self.bytes_copied = Counter(
-            "mpcache_bytes_copied", "Bytes copied by store and retrieve.", ["op"], registry=r
+        self.copied_bytes = Counter(
+            "mpcache_copied_bytes",
+            "Bytes copied between KV caches and the pool, by op (store, retrieve).",
+            ["op"],
+            registry=r,
         )
         self.transfer_timeouts = Counter(
             "mpcache_transfer_timeouts",
@@ -48,11 +107,79 @@ class Telemetry:
         self.pool_capacity_bytes = Gauge(
             "mpcache_pool_capacity_bytes", "Pool capacity in bytes.", registry=r
         )
+        self.request_seconds = Histogram(
+            "mpcache_http_request_duration_seconds",
+            "HTTP request latency by method, route template and status code.",
+            ["method", "route", "status"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.op_seconds = Histogram(
+            "mpcache_cache_op_duration_seconds",
+            "Cache operation latency inside the server, by op.",
+            ["op"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.asgi = make_asgi_app(r)
         self._bound: int | None = None
 
     def bind(self, chunk_size: int) -> None:
         self.chunk_size.set(chunk_size)
         self._bound = chunk_size
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def track(
+        self,
+        *,
+        sessions: Callable[[], float],
+        registrations: Callable[[], float],
+        pool_used_bytes: Callable[[], float],
+    ) -> None:
+        """Read these gauges from their owners at scrape time."""
+        self.sessions.set_function(sessions)
+        self.registrations.set_function(registrations)
+        self.pool_used_bytes.set_function(pool_used_bytes)
+
+
+class MetricsEndpoint:
+    """``GET /metrics``: the running server's prometheus_client ASGI app."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        telemetry: Telemetry = scope["app"].state.runtime.telemetry
+        await telemetry.asgi(scope, receive, send)
+
+
+class RequestTimer:
+    """ASGI middleware: observe each HTTP request in ``mpcache_http_request_duration_seconds``.
+
+    The route label is the matched route's template (``/register/{instance_id:path}/{rank}``),
+    or ``unmatched``, so a scan of random paths cannot grow the label set.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            runtime = getattr(scope["app"].state, "runtime", None)
+            if runtime is not None:
+                route = scope.get("route")
+                runtime.telemetry.request_seconds.labels(
+                    scope["method"],
+                    getattr(route, "path", None) or "unmatched",
+                    str(status),
+                ).observe(time.perf_counter() - start)

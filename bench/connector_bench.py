@@ -11,7 +11,7 @@ Measures, in one run against one real server (started here unless ``--url``):
 
 Prints p50/p99 in milliseconds and each p50 as a multiple of the /health p50.
 
-    python bench/connector_bench.py [--url http://127.0.0.1:8000] [--iterations 200]
+    python bench/connector_bench.py [--url http://127.0.0.1:8733] [--iterations 200]
 """
 
 from __future__ import annotations

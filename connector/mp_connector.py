@@ -16,7 +16,7 @@ Use::
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "MPCacheConnector",
       "kv_connector_module_path": "connector", "kv_role": "kv_both",
       "kv_load_failure_policy": "recompute",
-      "kv_connector_extra_config": {"mpcache.server_urls": "http://127.0.0.1:8000"}}'
+      "kv_connector_extra_config": {"mpcache.server_urls": "http://127.0.0.1:8733"}}'
 """
 
 from __future__ import annotations

@@ -17,4 +17,9 @@ Importing it does nothing (no threads, files, sockets or CUDA).
 __version__ = "0.1.0"
 """The one place the version is written (pyproject reads it; server and connector report it)."""
 
-__all__ = ["__version__"]
+DEFAULT_PORT = 8733
+"""The server's default TCP port, which the connector's default URL points at. It
+collides with none of vLLM (8000), LMCache (5555 ZMQ, 8080 HTTP), Triton (8000-8002),
+Prometheus (9090), Grafana (3000), Redis (6379) or Ray (6379, 8265)."""
+
+__all__ = ["DEFAULT_PORT", "__version__"]

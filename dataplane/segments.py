@@ -217,6 +217,13 @@ def _opened(name: str) -> Iterator[posix_ipc.SharedMemory]:
         shm = posix_ipc.SharedMemory("/" + name)
     except posix_ipc.ExistentialError as exc:
         raise SegmentNotFound(f"no shared-memory segment named {name!r}", segment=name) from exc
+    except posix_ipc.PermissionsError as exc:
+        # vLLM's workers create their segments with mode 0600 (connector/shm.py).
+        raise SegmentAccessError(
+            f"cannot open segment {name!r}: {exc}; it belongs to another user: run the "
+            f"mpcache server as the same uid as vLLM (this server runs as uid {os.getuid()})",
+            segment=name,
+        ) from exc
     except (posix_ipc.Error, OSError) as exc:
         raise SegmentAccessError(f"cannot open segment {name!r}: {exc}", segment=name) from exc
     try:

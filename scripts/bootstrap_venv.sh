@@ -9,7 +9,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 py=${PYTHON:-python3}
-key=$(cat requirements/dev.txt requirements/vllm.txt scripts/bootstrap_venv.sh | sha256sum | cut -c1-16)
+key=$(cat requirements/server.txt requirements/dev.txt requirements/vllm.txt scripts/bootstrap_venv.sh | sha256sum | cut -c1-16)
 cache=${MPCACHE_VENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mpcache}
 venv="$cache/venv-$key"
 
@@ -27,7 +27,7 @@ if [ ! -f "$venv/.complete" ]; then
     $pip install -q --no-deps vllm==0.33.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.11 \
         "llguidance>=1.7.0,<1.8.0"
     $pip install -q -r requirements/vllm.txt -c requirements/dev.txt
-    "$venv/bin/python" -c "import torch, fastapi, vllm; assert torch.__version__.startswith('2.13.0')"
+    "$venv/bin/python" -c "import torch, fastapi, fastapi_offline, vllm; assert torch.__version__.startswith('2.13.0')"
     touch "$venv/.complete"
 fi
 if [ "$(readlink .venv 2>/dev/null || true)" != "$venv" ]; then

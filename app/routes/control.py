@@ -1,10 +1,8 @@
-"""Control plane: negotiation, chunk-size and health reads, metrics."""
+"""Control plane: negotiation, chunk-size and health reads (``/metrics``: ``app.telemetry``)."""
 
 from __future__ import annotations
 
-import logging
-
-from fastapi import APIRouter, Response
+from fastapi import APIRouter
 
 from app import __version__
 from app.deps import RuntimeDep
@@ -17,8 +15,6 @@ from contract.schemas import (
 )
 
 __all__ = ["router"]
-
-logger = logging.getLogger(__name__)
 
 router = APIRouter(tags=["control"])
 
@@ -39,15 +35,9 @@ router = APIRouter(tags=["control"])
     },
 )
 def negotiate(body: NegotiateRequest, runtime: RuntimeDep) -> NegotiateResponse:
-    size = runtime.chunk_size.negotiate(body.required_alignment)
-    logger.info(
-        "negotiated chunk size %d for alignment %d (model=%r role=%s instance=%r)",
-        size,
-        body.required_alignment,
-        body.model,
-        body.role,
-        body.instance_id,
-    )
+    who = {"model": body.model, "role": body.role, "instance": body.instance_id}
+    caller = " ".join(f"{k}={v}" for k, v in who.items() if v)
+    size = runtime.chunk_size.negotiate(body.required_alignment, caller=caller)
     return NegotiateResponse(
         chunk_size=size,
         min_chunk_size=runtime.chunk_size.policy.min_chunk_size,
@@ -76,26 +66,13 @@ def chunk_size(runtime: RuntimeDep) -> ChunkSizeResponse:
 @router.get("/health", response_model=HealthResponse, summary="Liveness and identity")
 def health(runtime: RuntimeDep) -> HealthResponse:
     state = runtime.chunk_size.snapshot().state
-    sessions = runtime.sessions.live_count()
-    runtime.telemetry.sessions.set(sessions)
     return HealthResponse(
         status="ok",
         boot_id=runtime.boot_id,
         chunk_size=state.selected,
         final=state.final,
         uptime_s=round(runtime.uptime_s, 3),
-        sessions=sessions,
+        sessions=runtime.sessions.live_count(),
         registrations=runtime.registry.count(),
         version=__version__,
     )
-
-
-@router.get(
-    "/metrics",
-    summary="Prometheus metrics",
-    response_class=Response,
-    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}},
-)
-def metrics(runtime: RuntimeDep) -> Response:
-    runtime.telemetry.sessions.set(runtime.sessions.live_count())
-    return Response(runtime.telemetry.render(), media_type="text/plain; version=0.0.4")

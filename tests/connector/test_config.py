@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
-from connector.config import DEFAULT_SERVER_URL, ConnectorConfig, parse_extra_config
+from connector.config import DEFAULT_SERVER_URL, KNOWN_KEYS, ConnectorConfig, parse_extra_config
 from connector.errors import ConfigError
+from tests.support import ROOT
 
 
 def test_defaults() -> None:
@@ -21,7 +24,7 @@ def test_defaults() -> None:
     ("extra", "urls"),
     [
         pytest.param(
-            {"mpcache.server_urls": "http://127.0.0.1:8000"}, ("http://127.0.0.1:8000",), id="one"
+            {"mpcache.server_urls": "http://127.0.0.1:8733"}, ("http://127.0.0.1:8733",), id="one"
         ),
         pytest.param(
             {"mpcache.server_urls": "http://a:1, http://b:2/"},
@@ -47,7 +50,7 @@ def test_defaults() -> None:
             ("http://a:1",),
             id="mpcache-wins",
         ),
-        pytest.param({"mpcache.server_urls": "[::1]:8000"}, ("http://[::1]:8000",), id="ipv6"),
+        pytest.param({"mpcache.server_urls": "[::1]:8733"}, ("http://[::1]:8733",), id="ipv6"),
     ],
 )
 def test_server_urls(extra: dict[str, Any], urls: tuple[str, ...]) -> None:
@@ -118,5 +121,55 @@ def test_bad_values_name_the_key(extra: dict[str, Any], key: str) -> None:
 
 def test_config_is_frozen() -> None:
     config = parse_extra_config({})
-    with pytest.raises(AttributeError):
+    with pytest.raises(ValidationError, match="frozen"):
         config.heartbeat_interval_s = 1.0  # type: ignore[misc]
+
+
+def test_unknown_mpcache_key_names_the_closest_known_one() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_extra_config({"mpcache.lookup_timout": 1})
+    assert info.value.key == "mpcache.lookup_timout"
+    assert "did you mean 'mpcache.lookup_timeout'" in str(info.value)
+
+
+def test_unused_lmcache_keys_are_accepted_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    extra = {
+        "lmcache.mp.mq_timeout": 5,
+        "lmcache.mp.chunk_size": 256,
+        "lmcache.mp.heartbeat_interval": 3,
+        "other_connector.key": "x",  # another connector's key: not ours to judge
+    }
+    with caplog.at_level(logging.WARNING, logger="mpcache.connector"):
+        config = parse_extra_config(extra)
+    assert config.heartbeat_interval_s == 3.0
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1
+    assert "lmcache.mp.chunk_size, lmcache.mp.mq_timeout" in warnings[0]
+    assert "other_connector" not in warnings[0]
+
+
+def test_null_means_unset() -> None:
+    assert parse_extra_config({"mpcache.request_timeout": None}).request_timeout_s == 2.0
+
+
+def test_known_keys_are_the_documented_ones() -> None:
+    documented = {
+        "mpcache.server_urls",
+        "lmcache.mp.server_urls",
+        "lmcache.mp.host",
+        "lmcache.mp.port",
+        "mpcache.heartbeat_interval",
+        "lmcache.mp.heartbeat_interval",
+        "mpcache.request_timeout",
+        "mpcache.lookup_timeout",
+        "mpcache.lookup_max_age",
+        "mpcache.heartbeat_timeout",
+        "mpcache.startup_timeout",
+        "mpcache.instance_id",
+    }
+    assert documented == KNOWN_KEYS
+    readme = (ROOT / "README.md").read_text()
+    for key in documented:
+        assert f"`{key}`" in readme, f"README's connector table lacks {key}"

@@ -52,9 +52,17 @@ def test_cli_sweeps_before_checking_free_space(
     from app.cli import main
 
     started: list[Any] = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: started.append(kwargs))
-    main(["server", "--pool-size", "8MiB", "--port", "1"])
-    assert started and started[0]["host"] == "127.0.0.1"
+
+    def run(server: uvicorn.Server, sockets: list[Any]) -> None:
+        started.append(server.config)
+        server.started = True
+        for sock in sockets:
+            sock.close()
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    monkeypatch.setattr("app.logs.configure_logging", lambda *_, **__: None)  # the suite's
+    main(["server", "--pool-size", "8MiB", "--port", "0"])
+    assert started and started[0].host == "127.0.0.1"
     assert not os.path.exists(f"{SHM_DIR}/{crashed_worker_segment}")
 
 

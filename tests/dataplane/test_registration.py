@@ -194,7 +194,7 @@ def test_end_drops_sessions_and_metrics_count_the_traffic(
     assert metric(client, "mpcache_chunks_stored_total") == 2
     assert metric(client, "mpcache_chunks_hit_total") == 2
     assert metric(client, "mpcache_chunks_missed_total") == 1
-    assert metric(client, "mpcache_bytes_copied_total", op="store") == 8192
+    assert metric(client, "mpcache_copied_bytes_total", op="store") == 8192
     assert metric(client, "mpcache_pool_capacity_bytes") == 4 << 20
     assert metric(client, "mpcache_pool_used_bytes") == 2 * 4096
 
