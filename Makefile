@@ -35,11 +35,13 @@ lint: venv
 openapi: venv
 	$(PY) scripts/gen_openapi.py
 
-# Ratios against a baseline measured in the same run (see README "Benchmarks").
+# Ratios against a baseline measured in the same run, round by round (README "Benchmarks").
 bench: venv
 	$(PY) bench/negotiate_bench.py
+	$(PY) bench/hash_bench.py
 	$(PY) bench/dataplane_bench.py
 	$(PY) bench/connector_bench.py
+	$(PY) bench/scheduler_burst_bench.py
 
 clean:
 	rm -f $(VENV) .venv-e2e

@@ -56,6 +56,12 @@ class ChunkSizeAuthority:
         state = self._state
         return state.selected if state.final else None
 
+    @property
+    def state(self) -> ChunkSizeState:
+        """The current state, read without the lock (it is replaced, never mutated), so
+        an async route may read it while a negotiation runs its bindings."""
+        return self._state
+
     def snapshot(self) -> ChunkSizeSnapshot:
         with self._lock:
             return ChunkSizeSnapshot(self._state, self._pipeline.status())

@@ -35,7 +35,8 @@ class ReceiptStamp:
         await self.app(scope, receive, send)
 
 
-def get_runtime(request: Request) -> Runtime:
+async def get_runtime(request: Request) -> Runtime:
+    # async: a sync dependency would cost every route a hop to the thread pool.
     runtime: Runtime = request.app.state.runtime
     return runtime
 

@@ -1,46 +1,57 @@
 """Token hasher: chunk keys as a prefix hash chain over whole chunks (docs/design.md s.5.2).
 
 ``key_0 = H(namespace-seed, tokens of chunk 0)``, ``key_i = H(key_{i-1}, tokens of
-chunk i)``. ``H`` is BLAKE2b with a 128-bit digest over the little-endian int32
-token bytes, so keys are the same in every process (no PYTHONHASHSEED) and a key
-names its whole prefix. The seed binds model identity/layout (``namespace``),
-``cache_salt`` and the chunk size, so chunks of different namespaces, salts or
-chunk sizes never collide. A partial trailing chunk gets no key.
+chunk i)``, over the little-endian int32 token bytes, so a key names its whole
+prefix. The seed binds model identity/layout (``namespace``), ``cache_salt`` and the
+chunk size, so chunks of different namespaces, salts or chunk sizes never share a
+key. A partial trailing chunk gets no key. ``content_keys`` is the
+position-independent hash of one chunk's tokens (CacheBlend).
 
-``content_key`` is the position-independent hash of one chunk's tokens (CacheBlend).
+**Which H.** A lookup hashes every chunk of the prompt, one short input (1 KiB for
+256 tokens, plus the 16-byte previous key) at a time, so the per-call cost of the
+binding matters as much as the hash's speed. ``bench/hash_bench.py`` measures the
+candidates on the same bytes (a 32k-token prompt, 128 chunks; 2-core AMD EPYC with
+SHA-NI; median of 7 interleaved rounds, us per prompt): XXH3-128 91, SHA-256 303,
+BLAKE3 426, BLAKE2b-128 464 (another run, on a faster moment of the VM: 46, 190,
+286, 272). The cryptographic ones are all 3-5x slower, BLAKE3 because its speed is
+SIMD over long inputs and 1 KiB is a single chunk of it. H is **XXH3-128 keyed
+with a per-server secret seed**.
+
+**Why that is safe for a shared cache.** Keys decide whose KV cache a request
+loads, and tenants choose their prompts' token ids, so a tenant who could make a
+chunk key collide with another's prefix could serve that prefix its own KV
+(corrupting the victim's output). 128 bits put accidental and generic (birthday)
+collisions out of reach (2^64 work), but an unkeyed non-cryptographic hash such as
+XXH3 has exploitable structure: with its public default secret an attacker can
+choose inputs whose stripes cancel and collide offline, which is why vLLM warns
+that its own xxhash prefix-cache option is for trusted tenants only. Keyed with a
+secret 64-bit seed drawn from ``secrets`` when the server starts, every stripe's
+multiply depends on the unknown secret, so collisions can no longer be computed
+offline; and the keys never leave the server (a lookup answers a hit count, not
+keys), so the only oracle is "hit or miss" on full 128-bit keys, which leaks
+nothing about the seed short of a collision. What remains is a heuristic property
+(XXH3 has no proof of being a PRF), not a cryptographic one. Deployments that
+must not rely on it separate tenants with vLLM's ``cache_salt`` (part of every
+key's seed), which makes cross-tenant sharing, and so cross-tenant collisions,
+impossible by construction. The price of the secret: keys differ between server
+processes (the pool is not persistent, so nothing is lost); a future shared tier
+(docs/design.md s.7) will need the servers of a deployment to share the seed.
 """
 
 from __future__ import annotations
 
-import hashlib
+import secrets
 from collections.abc import Sequence
 
 import numpy as np
+import xxhash
 
 from contract.errors import NotNegotiated
 
 __all__ = ["KEY_BYTES", "TokenHasher"]
 
 KEY_BYTES = 16
-
-
-def _h(*parts: bytes) -> bytes:
-    h = hashlib.blake2b(digest_size=KEY_BYTES)
-    for part in parts:
-        h.update(part)
-    return h.digest()
-
-
-def _seed(kind: bytes, namespace: str, cache_salt: str | None, chunk_size: int) -> bytes:
-    salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode()
-    return _h(
-        b"mpcache/v1/",
-        kind,
-        len(namespace.encode()).to_bytes(4, "little"),
-        namespace.encode(),
-        salt,
-        chunk_size.to_bytes(8, "little"),
-    )
+_DOMAIN = b"mpcache/v2/xxh3-128/"
 
 
 def _as_tokens(tokens: np.ndarray | Sequence[int]) -> np.ndarray:
@@ -48,10 +59,18 @@ def _as_tokens(tokens: np.ndarray | Sequence[int]) -> np.ndarray:
 
 
 class TokenHasher:
-    """Computes chunk keys for one chunk size; usable once ``bind`` has run."""
+    """Computes chunk keys for one chunk size; usable once ``bind`` has run.
 
-    def __init__(self) -> None:
+    ``seed``: the secret key of H (a 64-bit integer); by default a fresh random one,
+    so keys are the same for the life of this hasher, in any thread, and unrelated
+    across server processes. Equal seeds give equal keys in every process.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
         self._chunk_size: int | None = None
+        self._key = secrets.randbits(64) if seed is None else seed
+        if not 0 <= self._key < 2**64:
+            raise ValueError("the hash seed must be a 64-bit unsigned integer")
 
     @property
     def chunk_size(self) -> int:
@@ -63,6 +82,12 @@ class TokenHasher:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self._chunk_size = chunk_size
+
+    def _seed(self, kind: bytes, namespace: str, cache_salt: str | None, size: int) -> bytes:
+        ns = namespace.encode()
+        salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode()
+        parts = (_DOMAIN, kind, len(ns).to_bytes(4, "little"), ns, salt, size.to_bytes(8, "little"))
+        return xxhash.xxh3_128_digest(b"".join(parts), self._key)
 
     def prefix_keys(
         self,
@@ -81,11 +106,13 @@ class TokenHasher:
         arr = _as_tokens(tokens)
         num_chunks = len(arr) // size
         keys = list(known[:num_chunks])
-        prev = keys[-1] if keys else _seed(b"prefix", namespace, cache_salt, size)
+        prev = keys[-1] if keys else self._seed(b"prefix", namespace, cache_salt, size)
         raw = arr[: num_chunks * size].tobytes()
         step = size * 4
-        for i in range(len(keys), num_chunks):
-            prev = _h(prev, raw[i * step : (i + 1) * step])
+        digest = xxhash.xxh3_128_digest
+        key = self._key
+        for i in range(len(keys) * step, num_chunks * step, step):
+            prev = digest(prev + raw[i : i + step], key)
             keys.append(prev)
         return keys
 
@@ -95,7 +122,8 @@ class TokenHasher:
         """Position-independent key of each whole chunk (same tokens, same key)."""
         size = self.chunk_size
         arr = _as_tokens(tokens)
-        seed = _seed(b"content", namespace, cache_salt, size)
+        seed = self._seed(b"content", namespace, cache_salt, size)
         raw = arr[: (len(arr) // size) * size].tobytes()
         step = size * 4
-        return [_h(seed, raw[i : i + step]) for i in range(0, len(raw), step)]
+        digest = xxhash.xxh3_128_digest
+        return [digest(seed + raw[i : i + step], self._key) for i in range(0, len(raw), step)]

@@ -15,6 +15,8 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.routing import Route
 
 from app import __version__
@@ -25,6 +27,8 @@ from app.routes import cache, control, register
 from app.settings import Settings, unknown_variables
 from app.state import Runtime, build_runtime
 from app.telemetry import MetricsEndpoint, RequestTimer
+from contract.schemas import LookupFrameHeader, LookupRequest
+from dataplane import streaming
 
 __all__ = ["app", "create_app"]
 
@@ -83,10 +87,13 @@ def _startup_summary(runtime: Runtime) -> None:
         s.lease_ttl_s,
         s.session_ttl_s,
     )
+    rates = ", ".join(f"{n}: {gbps:.1f} GB/s" for n, gbps in runtime.copy_rates.items())
     logger.info(
-        "blend matcher %s; coordinator standalone; copy threads %s",
+        "blend matcher %s; coordinator standalone; copy threads %d (%s); %s",
         "on" if s.enable_blend else "off",
-        s.copy_threads or "auto",
+        runtime.copier.threads,
+        f"measured {rates}" if rates else "--copy-threads",
+        streaming.describe(os.environ),
     )
 
 
@@ -143,7 +150,27 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for router in (control.router, register.router, cache.router):
         app.include_router(router, responses=malformed)
     app.router.routes.append(Route("/metrics", MetricsEndpoint(), methods=["GET"]))
+    _document_models(app, [LookupRequest, LookupFrameHeader])
     return app
+
+
+def _document_models(app: FastAPI, models: list[type[BaseModel]]) -> None:
+    """Add schemas of bodies a route parses itself (``openapi_extra`` refers to them)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        _, defs = models_json_schema(
+            [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
+        )
+        known = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name, definition in defs.get("$defs", {}).items():
+            known.setdefault(name, definition)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 app = create_app()

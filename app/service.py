@@ -62,6 +62,7 @@ from contract.schemas import (
     LookupRequest,
     LookupResponse,
     LookupResult,
+    LookupTarget,
     RegisterRequest,
     RegisterResponse,
     RetrieveRequest,
@@ -76,9 +77,9 @@ from contract.schemas import (
 from dataplane.layout import chunk_block_ids, slot_mask
 from dataplane.pool import PRESENT, DropReason, Entry, Pool
 from dataplane.registry import Registration, Registry, build_registration
-from dataplane.transfer import gather_chunk, scatter_chunk
+from dataplane.transfer import CopyPool, gather_chunk, scatter_chunk
 
-__all__ = ["CacheService", "PoolPressureLog"]
+__all__ = ["CacheService", "LookupBatch", "PoolPressureLog"]
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +166,36 @@ class PoolPressureLog:
         self._evicted = self._evicted_bytes = self._not_stored = 0
 
 
+class LookupBatch:
+    """One lookup call, served item by item (``CacheService.lookup_batch``).
+
+    ``add`` answers one item at once: its session opens and its hits are leased, so a
+    binary lookup is served while the rest of its body still arrives
+    (``app.routes.cache``); ``finish`` returns the reply, counts the chunks and
+    observes the call's duration, from the batch's creation.
+    """
+
+    def __init__(self, service: CacheService, size: int) -> None:
+        self._service = service
+        self._size = size
+        self._results: list[LookupResult] = []
+        self._hits = self._misses = 0
+        self._started = time.perf_counter()
+
+    def add(self, item: LookupTarget, tokens: np.ndarray) -> None:
+        result, hits, misses = self._service._lookup_one(item, tokens, self._size)
+        self._results.append(result)
+        self._hits += hits
+        self._misses += misses
+
+    def finish(self) -> LookupResponse:
+        telemetry = self._service._telemetry
+        telemetry.chunks_hit.inc(self._hits)
+        telemetry.chunks_missed.inc(self._misses)
+        telemetry.op_seconds.labels("lookup").observe(time.perf_counter() - self._started)
+        return LookupResponse(results=self._results)
+
+
 @dataclass(frozen=True)
 class _Item:
     """A validated store/retrieve item."""
@@ -186,6 +217,7 @@ class CacheService:
         registry: Registry,
         final_size: Callable[[], int | None],
         lease_ttl_s: float,
+        copier: CopyPool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._hasher = hasher
@@ -196,11 +228,13 @@ class CacheService:
         self.registry = registry
         self._final_size = final_size
         self._lease_ttl_s = lease_ttl_s
+        self._copier = copier or CopyPool(1)
         self._clock = clock  # deadlines: the clock ``received_at`` stamps are taken on
         self._pool_pressure = PoolPressureLog(clock=clock)
         sessions.on_release = self._on_session_release
         pool.on_drop = self._on_pool_drop
         telemetry.pool_capacity_bytes.set(pool.capacity_bytes)
+        telemetry.copy_threads.set(self._copier.threads)
         telemetry.track(
             sessions=sessions.live_count,
             registrations=registry.count,
@@ -349,29 +383,40 @@ class CacheService:
 
     # ------------------------------------------------------------------ cache ops
 
-    @_timed("lookup")
     def lookup(self, req: LookupRequest) -> LookupResponse:
-        size = self._size()
+        """Look up the JSON form (tokens as a list or base64): every item is decoded
+        before any is served."""
         # Decode every item first: a malformed one refuses the call before any
         # session is opened or lease taken.
-        token_arrays = [self._tokens(item, item.request_id) for item in req.requests]
-        results = []
-        for item, tokens in zip(req.requests, token_arrays, strict=True):
-            session, keys = self._sessions.keys_for(
-                item.request_id, item.namespace, item.cache_salt, tokens
-            )
-            hits = self.pool.lookup(
-                keys,
-                item.world_size,
-                holder=item.request_id,
-                lease_ttl_s=self._lease_ttl_s,
-            )
-            if hits and self._lease_ttl_s > 0:
-                session.leases.update(keys[:hits])
-            self._telemetry.chunks_hit.inc(hits)
-            self._telemetry.chunks_missed.inc(len(keys) - hits)
-            results.append(LookupResult(request_id=item.request_id, hit_tokens=hits * size))
-        return LookupResponse(results=results)
+        return self.lookup_tokens(
+            [(item, self._tokens(item, item.request_id)) for item in req.requests]
+        )
+
+    def lookup_tokens(self, items: Sequence[tuple[LookupTarget, np.ndarray]]) -> LookupResponse:
+        """Look up decoded items: each target with its int32 token ids."""
+        batch = self.lookup_batch()
+        for item, tokens in items:
+            batch.add(item, tokens)
+        return batch.finish()
+
+    def lookup_batch(self) -> LookupBatch:
+        """A lookup served item by item, as its items arrive (``LookupBatch``)."""
+        return LookupBatch(self, self._size())
+
+    def _lookup_one(
+        self, item: LookupTarget, tokens: np.ndarray, size: int
+    ) -> tuple[LookupResult, int, int]:
+        """One item's result, its hit and its missed chunks."""
+        session, keys = self._sessions.keys_for(
+            item.request_id, item.namespace, item.cache_salt, tokens
+        )
+        hits = self.pool.lookup(
+            keys, item.world_size, holder=item.request_id, lease_ttl_s=self._lease_ttl_s
+        )
+        if hits and self._lease_ttl_s > 0:
+            session.leases.update(keys[:hits])
+        result = LookupResult(request_id=item.request_id, hit_tokens=hits * size)
+        return result, hits, len(keys) - hits
 
     @_timed("store")
     def store(self, req: StoreRequest, *, received_at: float | None = None) -> StoreResponse:
@@ -429,7 +474,7 @@ class CacheService:
             assert isinstance(entry, Entry)
             try:
                 if mask:
-                    copied += gather_chunk(reg.plans, ids, self.pool.view(entry))
+                    copied += gather_chunk(reg.plans, ids, self.pool.view(entry), self._copier)
             except BaseException:
                 self.pool.abort(entry)
                 raise
@@ -515,7 +560,7 @@ class CacheService:
                     timed_out = True
                     break
                 try:
-                    copied += scatter_chunk(reg.plans, ids, self.pool.view(entry))
+                    copied += scatter_chunk(reg.plans, ids, self.pool.view(entry), self._copier)
                 except Exception:
                     logger.exception("retrieve of %r failed at a chunk", item.request_id)
                     break

@@ -26,7 +26,7 @@ from contract.shm_naming import segment_name
 from dataplane.pool import Pool
 from dataplane.registry import Registry
 from dataplane.segments import sweep_stale_segments
-from dataplane.transfer import configure_copy_threads
+from dataplane.transfer import CopyPool, configure_copy_threads, measure_copy_threads
 
 __all__ = ["BINDING_ORDER", "Runtime", "build_runtime"]
 
@@ -49,6 +49,9 @@ class Runtime:
     pool: Pool
     registry: Registry
     cache: CacheService
+    copier: CopyPool
+    copy_rates: dict[int, float] = field(default_factory=dict)
+    """GB/s per thread count measured at start (empty when --copy-threads was given)."""
     closed: bool = field(default=False)
 
     @property
@@ -64,6 +67,7 @@ class Runtime:
             self.sessions.close()
             self.registry.close()
         finally:
+            self.copier.close()
             self.pool.close()
             self.coordinator.leave()
 
@@ -96,7 +100,12 @@ def build_runtime(settings: Settings) -> Runtime:
         sessions.live_count,
         telemetry,
     )
-    configure_copy_threads(settings.copy_threads)
+    copy_rates: dict[int, float] = {}
+    threads = settings.copy_threads
+    if threads <= 0:
+        threads, copy_rates = measure_copy_threads()
+    configure_copy_threads(threads)
+    copier = CopyPool(threads)
     # Pools of crashed servers and KV caches of crashed workers (each removal is logged).
     sweep_stale_segments()
     pool = Pool.create(segment_name("pool"), settings.pool_size, settings.pool_page_size)
@@ -111,6 +120,7 @@ def build_runtime(settings: Settings) -> Runtime:
             registry=registry,
             final_size=lambda: authority.final_size,
             lease_ttl_s=settings.lease_ttl_s,
+            copier=copier,
         )
         if settings.pool_prefault:
             pool.start_prefault()
@@ -128,7 +138,10 @@ def build_runtime(settings: Settings) -> Runtime:
             pool=pool,
             registry=registry,
             cache=cache,
+            copier=copier,
+            copy_rates=copy_rates,
         )
     except BaseException:
+        copier.close()
         pool.close()
         raise

@@ -107,6 +107,9 @@ class Telemetry:
         self.pool_capacity_bytes = Gauge(
             "mpcache_pool_capacity_bytes", "Pool capacity in bytes.", registry=r
         )
+        self.copy_threads = Gauge(
+            "mpcache_copy_threads", "Threads one chunk's copy uses (measured at start).", registry=r
+        )
         self.request_seconds = Histogram(
             "mpcache_http_request_duration_seconds",
             "HTTP request latency by method, route template and status code.",

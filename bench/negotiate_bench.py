@@ -1,9 +1,11 @@
 """Control-plane latency: /negotiate and /chunk-size against a bare /health.
 
-Starts a real server process on 127.0.0.1, interleaves the calls (so machine noise
-hits all of them alike) and prints p50/p99 and the ratio to /health.
+Starts a real server process on 127.0.0.1. Each round makes ``--calls`` calls of
+each route, interleaved call by call, and keeps each route's median; ratios to
+/health are taken within the round. Prints the median and min-max spread over
+``--rounds`` rounds (at least 5), and the machine load.
 
-    .venv/bin/python bench/negotiate_bench.py [--rounds 2000]
+    .venv/bin/python bench/negotiate_bench.py [--rounds 7] [--calls 200]
 """
 
 from __future__ import annotations
@@ -18,37 +20,37 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import MIN_ROUNDS, Rounds, load_line
 from tests.support import server_process
 
 
-def pct(samples: list[float], q: float) -> float:
-    return statistics.quantiles(samples, n=100)[q - 1] if q < 100 else max(samples)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=2000)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=200, help="calls of each route per round")
     args = parser.parse_args()
     calls = {
-        "health": ("GET", "/health", None),
-        "chunk-size": ("GET", "/chunk-size", None),
-        "negotiate (confirm)": ("POST", "/negotiate", {"required_alignment": 96}),
+        "GET /health": ("GET", "/health", None),
+        "GET /chunk-size": ("GET", "/chunk-size", None),
+        "POST /negotiate (confirm)": ("POST", "/negotiate", {"required_alignment": 96}),
     }
-    times: dict[str, list[float]] = {name: [] for name in calls}
+    print(load_line())
+    rounds = Rounds()
     with server_process() as (url, _), httpx.Client(base_url=url) as http:
         http.post("/negotiate", json={"required_alignment": 96}).raise_for_status()
         for _ in range(100):  # warm up
             http.get("/health")
-        for _ in range(args.rounds):
-            for name, (method, path, body) in calls.items():
-                start = time.perf_counter()
-                http.request(method, path, json=body).raise_for_status()
-                times[name].append(time.perf_counter() - start)
-    base = statistics.median(times["health"])
-    print(f"{'call':<22}{'p50 ms':>10}{'p99 ms':>10}{'p50 / health':>14}")
-    for name, samples in times.items():
-        p50, p99 = statistics.median(samples), pct(samples, 99)
-        print(f"{name:<22}{p50 * 1e3:>10.3f}{p99 * 1e3:>10.3f}{p50 / base:>14.2f}")
+        for _ in range(max(MIN_ROUNDS, args.rounds)):
+            times: dict[str, list[float]] = {name: [] for name in calls}
+            for _ in range(args.calls):
+                for name, (method, path, body) in calls.items():
+                    start = time.perf_counter()
+                    http.request(method, path, json=body).raise_for_status()
+                    times[name].append((time.perf_counter() - start) * 1e3)
+            for name, samples in times.items():
+                rounds.add(name, statistics.median(samples))
+    print(load_line())
+    print(rounds.table(list(calls), "GET /health", unit="ms", ratio_label="/ GET /health"))
 
 
 if __name__ == "__main__":

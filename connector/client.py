@@ -1,9 +1,9 @@
 """HTTP control clients for one mpcache server.
 
-``ControlClient`` (blocking ``httpx.Client``) serves calls made on vLLM's threads,
-each with a short timeout; ``AsyncControlClient`` (``httpx.AsyncClient``) serves the
-heartbeat loop. Both take an injectable transport (``httpx.MockTransport``,
-``httpx.ASGITransport``, respx) so tests need no sockets.
+``ControlClient`` (blocking ``httpx.Client``) serves calls made on vLLM's threads and
+the scheduler's lookup thread, each with a short timeout; ``AsyncControlClient``
+(``httpx.AsyncClient``) serves the heartbeat loop. Both take an injectable transport
+(``httpx.MockTransport``, ``httpx.ASGITransport``, respx) so tests need no sockets.
 
 Every request body is an ``contract.schemas`` model and every reply is validated into
 one, so both ends share one contract. httpx errors and non-2xx replies are
@@ -14,7 +14,7 @@ translated into ``connector.errors`` in exactly one place, ``_translate`` plus
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -28,6 +28,7 @@ from connector.errors import (
     ServerTimeout,
     ServerUnreachable,
 )
+from contract.frames import LOOKUP_FRAME_MEDIA_TYPE
 from contract.schemas import (
     ChunkSizeResponse,
     EndSessionsRequest,
@@ -53,6 +54,7 @@ TransportFactory = Callable[[str], "httpx.BaseTransport | None"]
 _M = TypeVar("_M", bound=BaseModel)
 
 _HEADERS = {"content-type": "application/json", "accept": "application/json"}
+_FRAME_HEADERS = {"content-type": LOOKUP_FRAME_MEDIA_TYPE}
 
 
 @contextlib.contextmanager
@@ -106,8 +108,18 @@ def _parse_reply(reply: httpx.Response, model: type[_M] | None, url: str) -> _M 
     )
 
 
-def _dump(body: BaseModel) -> bytes:
-    return body.model_dump_json(exclude_none=True).encode()
+Body = BaseModel | bytes | Iterable[bytes] | None
+"""A model (sent as JSON), or a binary lookup frame, whole or in pieces (chunked)."""
+
+
+def _content(body: Body) -> bytes | Iterable[bytes] | None:
+    if isinstance(body, BaseModel):
+        return body.model_dump_json(exclude_none=True).encode()
+    return body
+
+
+def _frame_headers(body: Body) -> dict[str, str] | None:
+    return None if body is None or isinstance(body, BaseModel) else _FRAME_HEADERS
 
 
 def _register_path(instance_id: str, rank: int) -> str:
@@ -138,7 +150,7 @@ class ControlClient:
         method: str,
         path: str,
         model: type[_M] | None,
-        body: BaseModel | None = None,
+        body: Body = None,
         timeout_s: float | None = None,
     ) -> _M | None:
         url = f"{self.base_url}{path}"
@@ -146,7 +158,8 @@ class ControlClient:
             reply = self._http.request(
                 method,
                 path,
-                content=None if body is None else _dump(body),
+                content=_content(body),
+                headers=_frame_headers(body),
                 timeout=self.timeout_s if timeout_s is None else timeout_s,
             )
         return _parse_reply(reply, model, url)
@@ -156,7 +169,7 @@ class ControlClient:
         method: str,
         path: str,
         model: type[_M],
-        body: BaseModel | None = None,
+        body: Body = None,
         timeout_s: float | None = None,
     ) -> _M:
         result = self._call(method, path, model, body, timeout_s)
@@ -180,7 +193,11 @@ class ControlClient:
     def unregister(self, instance_id: str, rank: int, timeout_s: float | None = None) -> None:
         self._call("DELETE", _register_path(instance_id, rank), None, None, timeout_s)
 
-    def lookup(self, body: LookupRequest, timeout_s: float | None = None) -> LookupResponse:
+    def lookup(
+        self, body: LookupRequest | bytes | Iterable[bytes], timeout_s: float | None = None
+    ) -> LookupResponse:
+        """A lookup in the JSON form, or a binary frame (``contract.frames``), whole or
+        as pieces (sent chunked as they are produced)."""
         return self._call_model("POST", "/cache/lookup", LookupResponse, body, timeout_s)
 
     def store(self, body: StoreRequest, timeout_s: float | None = None) -> StoreResponse:
@@ -219,7 +236,7 @@ class AsyncControlClient:
         method: str,
         path: str,
         model: type[_M] | None,
-        body: BaseModel | None = None,
+        body: Body = None,
         timeout_s: float | None = None,
     ) -> _M | None:
         url = f"{self.base_url}{path}"
@@ -227,7 +244,8 @@ class AsyncControlClient:
             reply = await self._http.request(
                 method,
                 path,
-                content=None if body is None else _dump(body),
+                content=_content(body),
+                headers=_frame_headers(body),
                 timeout=self.timeout_s if timeout_s is None else timeout_s,
             )
         return _parse_reply(reply, model, url)
@@ -237,7 +255,7 @@ class AsyncControlClient:
         method: str,
         path: str,
         model: type[_M],
-        body: BaseModel | None = None,
+        body: Body = None,
         timeout_s: float | None = None,
     ) -> _M:
         result = await self._call(method, path, model, body, timeout_s)

@@ -11,6 +11,7 @@ no web imports so pure modules can raise these too.
     │   └── SegmentAccessError        422  a shm segment that cannot be opened or mapped
     ├── NotFound                      404  unknown registration, segment, ...
     │   └── SegmentNotFound           404  no shm segment of that name
+    ├── UnsupportedMediaType          415  a body in a form the route does not take
     ├── Conflict                      409
     │   ├── IncompatibleAlignment     409  final size not a multiple of alignment
     │   ├── ResizeAfterSessions       409  a resize once sessions exist
@@ -44,6 +45,7 @@ __all__ = [
     "SegmentNotFound",
     "SharedMemoryExhausted",
     "Unavailable",
+    "UnsupportedMediaType",
 ]
 
 
@@ -86,6 +88,12 @@ class NotFound(MPCacheError):
 class SegmentNotFound(NotFound):
     title = "Shared-memory segment not found"
     slug = "segment-not-found"
+
+
+class UnsupportedMediaType(MPCacheError):
+    status = 415
+    title = "Unsupported media type"
+    slug = "unsupported-media-type"
 
 
 class Conflict(MPCacheError):

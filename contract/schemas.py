@@ -46,10 +46,13 @@ __all__ = [
     "GroupInfo",
     "HealthResponse",
     "LayerInfo",
+    "LookupFrameHeader",
+    "LookupFrameItem",
     "LookupItem",
     "LookupRequest",
     "LookupResponse",
     "LookupResult",
+    "LookupTarget",
     "NegotiateRequest",
     "NegotiateResponse",
     "Problem",
@@ -373,11 +376,17 @@ class TokenSpan(_Body):
         return decode_tokens(self.tokens_b64 or "")
 
 
-class LookupItem(TokenSpan):
+class LookupTarget(_Body):
+    """What a lookup item names besides its tokens (both the JSON and binary forms)."""
+
     request_id: str = Field(min_length=1, max_length=256)
     namespace: str = Field(min_length=1, max_length=512)
     cache_salt: str | None = Field(None, max_length=256)
     world_size: WorldSize = Field(1, description="A chunk hits only if every rank has it.")
+
+
+class LookupItem(TokenSpan, LookupTarget):
+    pass
 
 
 class LookupRequest(_Body):
@@ -400,6 +409,35 @@ class LookupRequest(_Body):
     )
 
     requests: list[LookupItem] = Field(max_length=4096)
+
+
+class LookupFrameItem(LookupTarget):
+    num_tokens: NonNegativeInt = Field(
+        description="How many int32 token ids of the frame's token section are this item's."
+    )
+
+
+class LookupFrameHeader(_Body):
+    """The JSON header of the binary lookup form (``contract.frames``)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "requests": [
+                        {
+                            "request_id": "req-7",
+                            "namespace": "meta-llama/Llama-3.1-8B@3f9a1c2b",
+                            "world_size": 1,
+                            "num_tokens": 4,
+                        }
+                    ]
+                }
+            ]
+        }
+    )
+
+    requests: list[LookupFrameItem] = Field(max_length=4096)
 
 
 class LookupResult(_Reply):

@@ -254,21 +254,32 @@ class Pool:
         Hits are marked recently used; with a ``holder`` they are also leased for
         ``lease_ttl_s`` seconds (until then they are not evicted).
         """
+        index, touch = self._index, self._lru.move_to_end
+        ranks = range(world_size)
         with self._lock:
             hits = 0
             for key in keys:
-                entries = [self._index.get((key, rank)) for rank in range(world_size)]
-                if any(e is None for e in entries):
-                    break
-                for rank in range(world_size):
-                    self._lru.move_to_end((key, rank))
+                if world_size == 1:  # the common case, without the per-rank loops
+                    if (key, 0) not in index:
+                        break
+                    touch((key, 0))
+                else:
+                    if any((key, rank) not in index for rank in ranks):
+                        break
+                    for rank in ranks:
+                        touch((key, rank))
                 hits += 1
             if holder is not None and lease_ttl_s > 0 and hits:
                 deadline = self._clock() + lease_ttl_s
-                held = self._held.setdefault(holder, set())
-                for key in keys[:hits]:
-                    self._leases.setdefault(key, {})[holder] = deadline
-                    held.add(key)
+                leased = keys[:hits]
+                self._held.setdefault(holder, set()).update(leased)
+                leases = self._leases
+                for key in leased:
+                    holders = leases.get(key)
+                    if holders is None:
+                        leases[key] = {holder: deadline}
+                    else:
+                        holders[holder] = deadline
             return hits
 
     def release_leases(self, holder: str) -> None:

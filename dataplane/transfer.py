@@ -7,21 +7,33 @@ block's inner dimensions are contiguous, the block view is reinterpreted as
 moves with one call per tensor. Other layouts fall back to the tensor's own shape
 (same bytes, reinterpreted as an integer type of the same width).
 
-Kernels, chosen by measurement (bench/dataplane_bench.py), all releasing the GIL:
+Kernels, chosen by measurement (bench/dataplane_bench.py; figures in
+``dataplane.streaming`` and the README), all releasing the GIL:
 
-- block ids that form runs (consecutive ids in consecutive slots, as vLLM hands
-  out fresh blocks) move with one slice ``copy_`` per run: torch's multi-threaded
-  strided copy, faster than a plain memcpy;
-- fragmented ids: store gathers with torch's ``index_select``; retrieve scatters
-  CPU tensors with a numpy fancy-index assignment, because torch's CPU
-  ``index_copy_`` collapses to ~0.1 GB/s with more than one intra-op thread
-  (torch 2.13). CUDA tensors always use torch.
+- CPU tensors move with numpy, whose contiguous copies are one ``memmove`` each,
+  so a long one streams past the cache (``dataplane.streaming``): block ids that
+  form runs (consecutive ids in consecutive slots, as vLLM hands out fresh blocks)
+  move with one slice assignment per run; scattered ids are gathered on store with
+  one unbuffered ``np.take`` straight into the entry region, and scattered on
+  retrieve with one fancy-index assignment (a cached staging buffer streamed out
+  afterwards measured slower through the server, 0.45-0.64x against 0.78x). torch's
+  strided ``copy_``, ``index_select`` and ``index_copy_`` use their own loops, which
+  never stream: the old kernels ran at 0.5-0.7x a large numpy copy.
+- CUDA tensors use torch: ``index_select`` gathers on the device, then one copy per
+  tensor crosses to the pool; a retrieve copies the region to the device, then
+  ``index_copy_``. The design for bandwidth there is the same shape as on CPU: one
+  large transfer per tensor and chunk between the pool and a contiguous device
+  buffer, scattered on the device. (Pinning the pool with ``cudaHostRegister`` so
+  those transfers are DMA instead of staged through pageable memory is the next
+  step; it needs a GPU to be measured.)
 
-Threads: copies are memory-bound, so a few threads reach the memory bandwidth
-and more only contend, while the server runs several requests (one per TP rank)
-at once. ``configure_copy_threads`` caps torch's intra-op threads at
-``min(4, cores)`` by default (on a 2-vCPU VM, two threads measured better than one
-for run-ordered copies through HTTP).
+Threads: a ``CopyPool`` splits one chunk's tensors across lanes (the caller plus
+helpers); copies are memory-bound, so the right count depends on the machine's
+memory system, not its core count. ``measure_copy_threads`` times scattered
+copies with 1, 2, 4, 8 threads at server start (~0.2 s) and keeps the fastest
+(or a smaller count within 5% of it); ``--copy-threads`` overrides it. On the 2-core
+development VM two numpy lanes beat one (scattered 32 KiB blocks ~5 -> ~7.5 GB/s),
+where two torch intra-op threads through HTTP had been slower than one.
 
 Null blocks: on store their slot is filled from block 0 (always a valid index)
 and marked absent in the entry's ``present`` mask, so the copy stays one call;
@@ -32,9 +44,13 @@ from __future__ import annotations
 
 import itertools
 import math
+import mmap
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -44,12 +60,14 @@ from dataplane.descriptors import TensorGeometry
 from dataplane.layout import Region
 
 __all__ = [
+    "CopyPool",
     "Run",
     "TensorPlan",
     "block_runs",
     "configure_copy_threads",
     "gather_chunk",
     "make_plan",
+    "measure_copy_threads",
     "scatter_chunk",
 ]
 
@@ -91,15 +109,77 @@ class TensorPlan:
         return raw.view(self.array.dtype).reshape(self.region_shape)
 
 
-def configure_copy_threads(threads: int = 0) -> int:
-    """Set torch's intra-op threads for copies (0: ``min(4, cores)``); return the count.
+def configure_copy_threads(threads: int) -> int:
+    """Set torch's intra-op threads (its CUDA copies, fallbacks) to ``threads``.
 
     Process-wide: the server does no other torch work.
     """
-    if threads <= 0:
-        threads = max(1, min(4, os.cpu_count() or 1))
+    threads = max(1, threads)
     torch.set_num_threads(threads)
     return threads
+
+
+def measure_copy_threads(
+    max_threads: int | None = None,
+    *,
+    nbytes: int = 32 << 20,
+    block_bytes: int = 32 << 10,
+    rounds: int = 7,
+) -> tuple[int, dict[int, float]]:
+    """The copy thread count that moves scattered blocks fastest on this machine.
+
+    Copies ``nbytes`` in blocks of ``block_bytes`` in random order (a retrieve's
+    shape) between two shared-memory buffers (MAP_SHARED anonymous memory is shmem,
+    like the pool and the workers' segments) with 1, 2, 4, ... threads up to
+    ``max_threads`` (default ``min(8, cores)``), ``rounds`` rounds interleaved, and
+    rates each count by its fastest round (noise from other processes only ever slows
+    a round down; a median picked one thread about one start in three on the busy
+    2-core VM, where two are 1.3-1.5x faster). Returns the fastest count (a smaller
+    one within 5% of it: fewer threads leave more cores to concurrent requests) and
+    GB/s per count. About 0.2-0.3 s at start on the 2-core VM.
+    """
+    cores = os.cpu_count() or 1
+    limit = max(1, min(8, cores) if max_threads is None else max_threads)
+    counts = [n for n in (1, 2, 4, 8) if n <= limit]
+    if len(counts) == 1:
+        return 1, {}
+    buf = mmap.mmap(-1, 2 * (nbytes // block_bytes) * block_bytes)
+    try:
+        times = _time_scatter(buf, counts, nbytes // block_bytes, block_bytes, rounds)
+    finally:
+        buf.close()  # every view of it died with _time_scatter's frame
+    rates = {n: nbytes / min(t) / 1e9 for n, t in times.items()}
+    best = max(rates.values())
+    return min(n for n, rate in rates.items() if rate >= 0.95 * best), rates
+
+
+def _time_scatter(
+    buf: mmap.mmap, counts: Sequence[int], blocks: int, block_bytes: int, rounds: int
+) -> dict[int, list[float]]:
+    raw = np.frombuffer(buf, dtype=np.int64)
+    raw.fill(1)  # fault every page in before timing
+    words = block_bytes // 8
+    src = raw[: blocks * words].reshape(blocks, words)
+    dst = raw[blocks * words :].reshape(blocks, words)
+    order = np.random.default_rng(0).permutation(blocks)
+    times: dict[int, list[float]] = {n: [] for n in counts}
+    pools = {n: CopyPool(n) for n in counts}
+    try:
+        for _ in range(rounds):
+            for n, pool in pools.items():
+                jobs = [partial(_scatter_rows, dst, src, part) for part in np.array_split(order, n)]
+                begin = time.perf_counter()
+                pool.run(jobs)
+                times[n].append(time.perf_counter() - begin)
+    finally:
+        for pool in pools.values():
+            pool.close()
+    return times
+
+
+def _scatter_rows(dst: np.ndarray, src: np.ndarray, rows: np.ndarray) -> int:
+    dst[rows] = src[: len(rows)]
+    return int(rows.size) * int(src.shape[1]) * int(src.itemsize)
 
 
 def _collapse(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, int] | None:
@@ -184,27 +264,110 @@ def _index(ids: np.ndarray, device: torch.device) -> torch.Tensor:
     return idx if device.type == "cpu" else idx.to(device)
 
 
+def _at(dim: int, start: int, n: int) -> tuple[slice, ...]:
+    """Index of ``n`` blocks from ``start`` along ``dim``."""
+    return (*(slice(None),) * dim, slice(start, start + n))
+
+
+class CopyPool:
+    """Threads that share one chunk's copies (its tensors split into lanes).
+
+    ``threads`` counts the calling thread, which always takes a lane, so a copy
+    progresses even when another request holds every helper. numpy releases the GIL
+    while it moves bytes, so lanes copy in parallel. ``run`` returns only once every
+    lane has stopped, so a chunk that fails is never written to after its caller
+    aborts it. Owned by the server's runtime (``close`` at shutdown).
+    """
+
+    def __init__(self, threads: int = 1) -> None:
+        self.threads = max(1, threads)
+        self._helpers = (
+            ThreadPoolExecutor(self.threads - 1, thread_name_prefix="mpcache-copy")
+            if self.threads > 1
+            else None
+        )
+
+    def run(self, jobs: Sequence[Callable[[], int]]) -> int:
+        """Run ``jobs`` (each returns bytes copied) across the lanes; their sum."""
+        if self._helpers is None or len(jobs) < 2:
+            return sum(job() for job in jobs)
+        lanes = [jobs[i :: self.threads] for i in range(min(self.threads, len(jobs)))]
+        futures = [self._helpers.submit(_run_lane, lane) for lane in lanes[1:]]
+        total = 0
+        error: BaseException | None = None
+        try:
+            total += _run_lane(lanes[0])
+        except BaseException as exc:
+            error = exc
+        for future in futures:  # every lane stops before the caller sees the outcome
+            try:
+                total += future.result()
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return total
+
+    def close(self) -> None:
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=True)
+
+
+def _run_lane(jobs: Sequence[Callable[[], int]]) -> int:
+    return sum(job() for job in jobs)
+
+
+_SERIAL = CopyPool(1)
+
+
+def _gather_cpu(plan: TensorPlan, ids: np.ndarray, runs: list[Run] | None, dst: np.ndarray) -> int:
+    src = plan.array
+    assert src is not None
+    d = plan.dim
+    if runs is not None:
+        for slot, block, n in runs:
+            dst[_at(d, slot, n)] = src[_at(d, block, n)]
+    else:
+        # Unbuffered only with mode="clip" (ids are validated): "raise" copies via a
+        # temporary. Straight into the (contiguous) region measured faster than
+        # gathering into a cached buffer first and streaming that out.
+        np.take(src, ids, axis=d, out=dst, mode="clip")
+    return plan.region.nbytes
+
+
 def gather_chunk(
-    plans: Sequence[TensorPlan], group_ids: Sequence[np.ndarray], entry_bytes: torch.Tensor
+    plans: Sequence[TensorPlan],
+    group_ids: Sequence[np.ndarray],
+    entry_bytes: torch.Tensor,
+    pool: CopyPool = _SERIAL,
 ) -> int:
     """Copy one chunk's blocks (``group_ids[g]``, nulls read block 0) into an entry.
 
-    Returns the bytes copied.
+    Returns the bytes copied. CPU tensors are split across ``pool``'s lanes.
     """
     runs: dict[int, list[Run] | None] = {}
     indices: dict[tuple[int, torch.device], torch.Tensor] = {}
     typed: dict[torch.dtype, torch.Tensor] = {}
+    entry_array: np.ndarray | None = None
+    jobs: list[Callable[[], int]] = []
     copied = 0
     for plan in plans:
         g = plan.region.group_index
         if g not in runs:
             ids = group_ids[g]
             runs[g] = block_runs(np.arange(len(ids)), ids)
+        group_runs = runs[g]
+        if plan.array is not None:
+            if entry_array is None:
+                entry_array = entry_bytes.numpy()
+            dst_array = plan.region_array(entry_array)
+            ids64 = np.ascontiguousarray(group_ids[g], dtype=np.int64)
+            jobs.append(partial(_gather_cpu, plan, ids64, group_runs, dst_array))
+            continue
         entry_typed = typed.get(plan.view.dtype)
         if entry_typed is None:
             entry_typed = typed[plan.view.dtype] = entry_bytes.view(plan.view.dtype)
         dst = plan.region_in(entry_typed)
-        group_runs = runs[g]
         if group_runs is not None:
             for slot, block, n in group_runs:
                 dst.narrow(plan.dim, slot, n).copy_(plan.view.narrow(plan.dim, block, n))
@@ -213,24 +376,48 @@ def gather_chunk(
             idx = indices.get((g, device))
             if idx is None:
                 idx = indices[(g, device)] = _index(group_ids[g], device)
-            if plan.is_cuda:
-                dst.copy_(plan.view.index_select(plan.dim, idx))
-            else:
-                torch.index_select(plan.view, plan.dim, idx, out=dst)
+            dst.copy_(plan.view.index_select(plan.dim, idx))
         copied += plan.region.nbytes
-    return copied
+    return copied + pool.run(jobs)
+
+
+def _scatter_cpu(
+    plan: TensorPlan,
+    idx: np.ndarray,
+    positions: np.ndarray | None,
+    runs: list[Run] | None,
+    src: np.ndarray,
+) -> int:
+    dst = plan.array
+    assert dst is not None
+    d = plan.dim
+    if runs is not None:
+        for slot, block, n in runs:
+            dst[_at(d, block, n)] = src[_at(d, slot, n)]
+    else:
+        if positions is not None:
+            src = np.take(src, positions, axis=d)
+        target: Any = (*(slice(None),) * d, idx)
+        dst[target] = src
+    block_bytes = plan.region.nbytes // plan.region_shape[d]
+    return block_bytes * int(idx.size)
 
 
 def scatter_chunk(
-    plans: Sequence[TensorPlan], group_ids: Sequence[np.ndarray], entry_bytes: torch.Tensor
+    plans: Sequence[TensorPlan],
+    group_ids: Sequence[np.ndarray],
+    entry_bytes: torch.Tensor,
+    pool: CopyPool = _SERIAL,
 ) -> int:
     """Copy an entry's blocks into the non-null blocks of ``group_ids``.
 
-    Returns the bytes written. CUDA copies are synchronised before returning.
+    Returns the bytes written. CPU tensors are split across ``pool``'s lanes; CUDA
+    copies are synchronised before returning.
     """
     selected: dict[int, tuple[np.ndarray, np.ndarray | None, list[Run] | None]] = {}
     typed: dict[torch.dtype, torch.Tensor] = {}
     entry_array: np.ndarray | None = None
+    jobs: list[Callable[[], int]] = []
     copied = 0
     cuda_devices: set[torch.device] = set()
     for plan in plans:
@@ -239,36 +426,33 @@ def scatter_chunk(
             ids = group_ids[g]
             slots = np.flatnonzero(ids)
             full = len(slots) == len(ids)
-            sel = ids.astype(np.int64) if full else ids[slots]
+            sel = ids.astype(np.int64) if full else ids[slots].astype(np.int64)
             selected[g] = (sel, None if full else slots, block_runs(slots, sel))
         idx, positions, group_runs = selected[g]
         if idx.size == 0:
             continue
-        block_bytes = plan.region.nbytes // plan.region_shape[plan.dim]
-        copied += block_bytes * int(idx.size)
-        if plan.is_cuda:
-            cuda_devices.add(plan.view.device)
-        if group_runs is not None or plan.array is None:
-            entry_typed = typed.get(plan.view.dtype)
-            if entry_typed is None:
-                entry_typed = typed[plan.view.dtype] = entry_bytes.view(plan.view.dtype)
-            src_t = plan.region_in(entry_typed)
-            if group_runs is not None:
-                for slot, block, n in group_runs:
-                    plan.view.narrow(plan.dim, block, n).copy_(src_t.narrow(plan.dim, slot, n))
-                continue
+        if plan.array is not None:
+            if entry_array is None:
+                entry_array = entry_bytes.numpy()
+            src_array = plan.region_array(entry_array)
+            jobs.append(partial(_scatter_cpu, plan, idx, positions, group_runs, src_array))
+            continue
+        cuda_devices.add(plan.view.device)
+        entry_typed = typed.get(plan.view.dtype)
+        if entry_typed is None:
+            entry_typed = typed[plan.view.dtype] = entry_bytes.view(plan.view.dtype)
+        src_t = plan.region_in(entry_typed)
+        if group_runs is not None:
+            for slot, block, n in group_runs:
+                plan.view.narrow(plan.dim, block, n).copy_(src_t.narrow(plan.dim, slot, n))
+        else:
             device = plan.view.device
             if positions is not None:
                 src_t = src_t.index_select(plan.dim, torch.from_numpy(positions))
             plan.view.index_copy_(plan.dim, _index(idx, device), src_t.to(device))
-            continue
-        if entry_array is None:
-            entry_array = entry_bytes.numpy()
-        src = plan.region_array(entry_array)
-        if positions is not None:
-            src = np.take(src, positions, axis=plan.dim)
-        target: Any = (*(slice(None),) * plan.dim, idx)
-        plan.array[target] = src
+        block_bytes = plan.region.nbytes // plan.region_shape[plan.dim]
+        copied += block_bytes * int(idx.size)
+    copied += pool.run(jobs)
     for device in cuda_devices:
         torch.cuda.synchronize(device)
     return copied

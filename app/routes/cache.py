@@ -1,13 +1,30 @@
-"""Cache operations, batched per engine step: lookup, store, retrieve, end, blend match."""
+"""Cache operations, batched per engine step: lookup, store, retrieve, end, blend match.
+
+Where each runs: ``lookup`` and ``end`` are ``async`` and run on the event loop (no
+thread-pool hop): a lookup parses its body itself (JSON, or the binary form of
+``contract.frames``, served item by item as it arrives), hashes and asks the pool,
+all cheap; only more than ``INLINE_LOOKUP_TOKENS`` tokens at once (a JSON lookup, or
+one item of a binary one) move to the thread pool, so that /health never waits long
+behind them. ``store``, ``retrieve`` and ``blend/match`` are plain functions, which
+FastAPI runs in its thread pool: their copies (and blend's hashing of whole prompts)
+never block the event loop.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+import numpy as np
+from fastapi import APIRouter, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from app.deps import ReceivedAtDep, RuntimeDep
 from app.problems import problem_doc
+from app.state import Runtime
+from contract.errors import UnsupportedMediaType
+from contract.frames import LOOKUP_FRAME_MEDIA_TYPE, LookupFrameReader
 from contract.schemas import (
     BlendMatchRequest,
     BlendMatchResponse,
@@ -15,6 +32,7 @@ from contract.schemas import (
     EndSessionsResponse,
     LookupRequest,
     LookupResponse,
+    LookupTarget,
     RetrieveRequest,
     RetrieveResponse,
     StoreRequest,
@@ -33,6 +51,86 @@ _TRANSFER_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+INLINE_LOOKUP_TOKENS = 1 << 18
+"""A JSON lookup of at most this many tokens in all, or one item of a binary lookup
+(1 MiB of int32, ~1-2 ms of hashing and pool lookups on a small VM), is served on the
+event loop; more, in the thread pool."""
+
+_LOOKUP_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/LookupRequest"}},
+            LOOKUP_FRAME_MEDIA_TYPE: {
+                "schema": {
+                    "type": "string",
+                    "format": "binary",
+                    "description": (
+                        "The binary form: magic `MPL1`, the header length (uint32 LE), a "
+                        "`LookupFrameHeader` JSON header whose items give `num_tokens` "
+                        "instead of tokens, zero padding to a multiple of 4 bytes, then "
+                        "every item's token ids as little-endian int32, in item order "
+                        "(contract/frames.py)."
+                    ),
+                }
+            },
+        },
+    }
+}
+
+
+def _malformed(where: str, message: str) -> RequestValidationError:
+    return RequestValidationError([{"loc": ("body", where), "msg": message, "type": "value_error"}])
+
+
+Items = list[tuple[LookupTarget, np.ndarray]]
+
+
+async def _lookup_frame(request: Request, runtime: Runtime) -> LookupResponse:
+    """Serve a binary lookup as its body arrives: each item is looked up as soon as
+    its tokens are in, while the sender packs the next. A fault (a bad length, a
+    negative token id) refuses the call where it is found; the items before it have
+    been served (sessions opened, hits leased: the connector's session end, or the
+    lease's expiry, releases them)."""
+    batch = runtime.cache.lookup_batch()  # 409 before the body is read
+    reader = LookupFrameReader()
+    try:
+        async for chunk in request.stream():
+            for item, tokens in reader.feed(chunk):
+                if len(tokens) <= INLINE_LOOKUP_TOKENS:
+                    batch.add(item, tokens)
+                else:
+                    await run_in_threadpool(batch.add, item, tokens)
+        reader.close()
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("header", *e["loc"])} for e in exc.errors()]
+        raise RequestValidationError(errors) from exc
+    except ValueError as exc:
+        raise _malformed("frame", str(exc)) from exc
+    return batch.finish()
+
+
+def _lookup_items(media_type: str, raw: bytes) -> Items:
+    """The items of a JSON lookup body; malformed input is a 422, an unknown form a 415."""
+    if media_type in ("", "application/json") or media_type.endswith("+json"):
+        try:
+            req = LookupRequest.model_validate_json(raw)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from exc
+        items: Items = []
+        for item in req.requests:
+            try:
+                items.append((item, item.token_array()))
+            except ValueError as exc:
+                raise _malformed(item.request_id, f"bad tokens: {exc}") from exc
+        return items
+    raise UnsupportedMediaType(
+        f"a lookup body is application/json or {LOOKUP_FRAME_MEDIA_TYPE} (the binary "
+        f"form of contract/frames.py), not {media_type or 'untyped'}",
+        media_type=media_type,
+    )
+
+
 @router.post(
     "/lookup",
     response_model=LookupResponse,
@@ -41,12 +139,28 @@ _TRANSFER_ERRORS: dict[int | str, dict[str, Any]] = {
         "For each request: the number of leading tokens cached (whole chunks only, "
         "present for every rank of `world_size`). The hits are leased to the request "
         "for a short while so the retrieve that follows finds them. Tokens go as a JSON "
-        "list or, more compactly, as `tokens_b64` (little-endian int32)."
+        "list, as `tokens_b64` (base64 of little-endian int32), or, most compactly, in "
+        f"the binary form (`content-type: {LOOKUP_FRAME_MEDIA_TYPE}`), which the "
+        "connector sends."
     ),
-    responses={**_NOT_NEGOTIATED, 422: problem_doc("Malformed request")},
+    responses={
+        **_NOT_NEGOTIATED,
+        415: problem_doc("A body that is neither JSON nor the binary form"),
+        422: problem_doc("Malformed request"),
+    },
+    openapi_extra=_LOOKUP_BODY,
 )
-def lookup(body: LookupRequest, runtime: RuntimeDep) -> LookupResponse:
-    return runtime.cache.lookup(body)
+async def lookup(request: Request, runtime: RuntimeDep) -> Response:
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type == LOOKUP_FRAME_MEDIA_TYPE:
+        reply = await _lookup_frame(request, runtime)
+    else:
+        items = _lookup_items(media_type, await request.body())
+        if sum(len(tokens) for _, tokens in items) <= INLINE_LOOKUP_TOKENS:
+            reply = runtime.cache.lookup_tokens(items)
+        else:
+            reply = await run_in_threadpool(runtime.cache.lookup_tokens, items)
+    return Response(reply.model_dump_json(), media_type="application/json")
 
 
 @router.post(
@@ -92,7 +206,7 @@ def retrieve(
     summary="End request sessions",
     description="Drop the sessions of finished requests and release their leases.",
 )
-def end(body: EndSessionsRequest, runtime: RuntimeDep) -> EndSessionsResponse:
+async def end(body: EndSessionsRequest, runtime: RuntimeDep) -> EndSessionsResponse:
     return runtime.cache.end(body)
 
 

@@ -64,8 +64,9 @@ def chunk_size(runtime: RuntimeDep) -> ChunkSizeResponse:
 
 
 @router.get("/health", response_model=HealthResponse, summary="Liveness and identity")
-def health(runtime: RuntimeDep) -> HealthResponse:
-    state = runtime.chunk_size.snapshot().state
+async def health(runtime: RuntimeDep) -> HealthResponse:
+    # On the event loop (no thread-pool hop): nothing here waits on a negotiation.
+    state = runtime.chunk_size.state
     return HealthResponse(
         status="ok",
         boot_id=runtime.boot_id,

@@ -13,9 +13,11 @@ from app.hashing import KEY_BYTES, TokenHasher
 from contract.errors import NotNegotiated
 from tests.support import ROOT
 
+SEED = 0x5EED_0F_C0FFEE
 
-def hasher(size: int = 4) -> TokenHasher:
-    h = TokenHasher()
+
+def hasher(size: int = 4, seed: int = SEED) -> TokenHasher:
+    h = TokenHasher(seed)
     h.bind(size)
     return h
 
@@ -81,10 +83,12 @@ def test_content_keys_are_position_independent() -> None:
 
 
 def test_deterministic_across_processes() -> None:
+    """Same secret seed, same keys, in any process (no PYTHONHASHSEED, no state)."""
     code = (
         "from app.hashing import TokenHasher\n"
-        "h = TokenHasher(); h.bind(4)\n"
+        f"h = TokenHasher({SEED}); h.bind(4)\n"
         "print(','.join(k.hex() for k in h.prefix_keys('ns', 's', list(range(12)))))\n"
+        "print(','.join(k.hex() for k in h.content_keys('ns', 's', list(range(12)))))\n"
     )
     outputs = set()
     for seed in ("0", "12345"):
@@ -98,4 +102,28 @@ def test_deterministic_across_processes() -> None:
             check=True,
         )
         outputs.add(out.stdout.strip())
-    assert outputs == {",".join(k.hex() for k in hasher(4).prefix_keys("ns", "s", list(range(12))))}
+    h = hasher(4)
+    tokens = list(range(12))
+    prefix = ",".join(k.hex() for k in h.prefix_keys("ns", "s", tokens))
+    content = ",".join(k.hex() for k in h.content_keys("ns", "s", tokens))
+    assert outputs == {f"{prefix}\n{content}"}
+
+
+def test_keys_depend_on_the_secret_seed() -> None:
+    tokens = list(range(8))
+    assert hasher(4, seed=1).prefix_keys("ns", None, tokens) != hasher(4, seed=2).prefix_keys(
+        "ns", None, tokens
+    )
+    # Without a seed each hasher draws its own: two servers never share keys by accident.
+    a, b = TokenHasher(), TokenHasher()
+    a.bind(4)
+    b.bind(4)
+    assert a.prefix_keys("ns", None, tokens) != b.prefix_keys("ns", None, tokens)
+
+
+@pytest.mark.parametrize(
+    "seed", [pytest.param(-1, id="negative"), pytest.param(2**64, id="over-64-bits")]
+)
+def test_seed_must_be_64_bits(seed: int) -> None:
+    with pytest.raises(ValueError, match="64-bit"):
+        TokenHasher(seed)

@@ -59,6 +59,7 @@ def test_gauges_are_read_at_scrape_time(client: TestClient) -> None:
     text = client.get("/metrics").text
     assert "mpcache_sessions 1.0" in text
     assert "mpcache_pool_capacity_bytes 4.194304e+06" in text
+    assert "mpcache_copy_threads 2.0" in text  # MPCACHE_COPY_THREADS, tests/conftest.py
 
 
 def test_openmetrics_when_asked(client: TestClient) -> None:

@@ -1,7 +1,8 @@
 """An in-memory mpcache server double and doubles of vLLM's scheduler objects.
 
-``FakeServer`` speaks the wire contract (``contract.schemas``) through
-``httpx.MockTransport`` for both the blocking and the async client, keeps chunks as
+``FakeServer`` speaks the wire contract (``contract.schemas``, the binary lookup
+form of ``contract.frames``) through ``httpx.MockTransport`` for both the blocking
+and the async client (``lookup_gate`` can hold lookups back), keeps chunks as
 prefix keys per (namespace, rank), and can be taken down or "restarted" (new
 boot_id, forgotten state, optionally another minimum chunk size).
 """
@@ -15,7 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import numpy as np
 
+from contract.frames import LOOKUP_FRAME_MEDIA_TYPE, decode_lookup_frame
 from contract.schemas import (
     EndSessionsRequest,
     LookupRequest,
@@ -23,8 +26,8 @@ from contract.schemas import (
     RegisterRequest,
     RetrieveRequest,
     StoreRequest,
-    TokenSpan,
 )
+from tests.support import wait_until
 
 
 def _problem(status: int, detail: str, **extra: Any) -> httpx.Response:
@@ -42,6 +45,9 @@ class FakeServer:
         # Per call: the httpx timeouts the client gave it (connect/read/write/pool).
         self.client_timeouts: list[tuple[str, dict[str, float | None]]] = []
         self.fail_next: dict[str, httpx.Response] = {}
+        # Cleared: lookups wait until it is set again.
+        self.lookup_gate = threading.Event()
+        self.lookup_gate.set()
         self._boot()
 
     def _boot(self) -> None:
@@ -62,16 +68,32 @@ class FakeServer:
     def transport(self, url: str = "") -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
 
+    def lookups(self) -> list[list[str]]:
+        """Request ids of each lookup call, in order."""
+        with self.lock:
+            return [
+                [item["request_id"] for item in body["requests"]]
+                for _, path, body in self.calls
+                if path == "/cache/lookup"
+            ]
+
     def paths(self) -> list[str]:
         with self.lock:
             return [f"{m} {p}" for m, p, _ in self.calls]
 
     def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/cache/lookup":  # the scheduler's lookup thread waits
+            assert self.lookup_gate.wait(timeout=60), "lookup_gate never opened"
         with self.lock:
             if not self.up:
                 raise httpx.ConnectError("connection refused", request=request)
             path = request.url.path
-            body = json.loads(request.content) if request.content else None
+            frame = request.headers.get("content-type") == LOOKUP_FRAME_MEDIA_TYPE
+            if frame:
+                items = decode_lookup_frame(request.content)
+                body = {"requests": [item.model_dump() for item, _ in items], "frame": items}
+            else:
+                body = json.loads(request.content) if request.content else None
             self.calls.append((request.method, path, body))
             self.client_timeouts.append((path, dict(request.extensions.get("timeout", {}))))
             injected = self.fail_next.pop(path, None)
@@ -136,10 +158,13 @@ class FakeServer:
                 return _problem(404, "unknown registration")
             return httpx.Response(204)
         if path == "/cache/lookup":
-            lreq = LookupRequest.model_validate(body)
+            if "frame" in body:
+                pairs = body["frame"]
+            else:
+                pairs = [(i, i.token_array()) for i in LookupRequest.model_validate(body).requests]
             results = []
-            for item in lreq.requests:
-                keys = self._keys(item)
+            for item, tokens in pairs:
+                keys = self._keys(tokens)
                 hit = 0
                 for key in keys:
                     ranks = range(item.world_size)
@@ -153,7 +178,7 @@ class FakeServer:
             sreq = StoreRequest.model_validate(body)
             out = []
             for t in sreq.requests:
-                keys = self._keys(t)
+                keys = self._keys(t.token_array())
                 stored = present = 0
                 last = min(t.end_token // self.chunk_size, len(keys))
                 for i in range(t.start_token // self.chunk_size, last):
@@ -181,7 +206,7 @@ class FakeServer:
             size = self.chunk_size
             out = []
             for t in rreq.requests:
-                keys = self._keys(t)
+                keys = self._keys(t.token_array())
                 last = min(t.end_token // size, len(keys))
                 chunk = t.start_token // size
                 while chunk < last and (t.namespace, rreq.rank, keys[chunk]) in self.chunks:
@@ -205,9 +230,8 @@ class FakeServer:
             return httpx.Response(200, json={"ended": len(ereq.request_ids)})
         return _problem(404, f"no route {method} {path}")
 
-    def _keys(self, span: TokenSpan) -> list[bytes]:
+    def _keys(self, tokens: np.ndarray) -> list[bytes]:
         assert self.chunk_size is not None
-        tokens = span.token_array()
         n = len(tokens) // self.chunk_size
         return [tokens[: (i + 1) * self.chunk_size].tobytes() for i in range(n)]
 
@@ -271,3 +295,19 @@ class Group:
     kv_cache_spec: Any
     layer_names: list[str] = field(default_factory=list)
     enable_kv_transfer: bool = True
+
+
+def ask(adapter: Any, request: Any, computed: int = 0) -> tuple[int, bool]:
+    """``get_num_new_matched_tokens`` as vLLM drives it: while the answer is ``None``
+    (lookup in flight) the step ends (which sends the step's lookups) and the
+    scheduler asks again."""
+    answer = adapter.get_num_new_matched_tokens(request, computed)
+    if answer[0] is None:
+        adapter.send_lookups()
+        wait_until(
+            lambda: adapter.get_num_new_matched_tokens(request, computed)[0] is not None,
+            what=f"an answer for {request.request_id}",
+        )
+        answer = adapter.get_num_new_matched_tokens(request, computed)
+    assert answer[0] is not None
+    return answer[0], answer[1]

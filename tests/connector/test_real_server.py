@@ -20,6 +20,7 @@ from tests.connector.fakes import (
     Group,
     NewReq,
     StepOutput,
+    ask,
 )
 from tests.support import server_process
 
@@ -72,7 +73,7 @@ def test_round_trip_same_bytes(server: str) -> None:
 
         prompt = [(i * 37) % 997 for i in range(150)]
         a = FakeRequest("A", list(prompt))
-        assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+        assert ask(sched, a, 0) == (0, False)
         blocks_a = list(range(1, 11))
         sched.update_state_after_alloc(a, FakeBlocks((blocks_a,)), 0)
         for j, b in enumerate(blocks_a):  # "forward": block j gets a recognisable pattern
@@ -86,7 +87,7 @@ def test_round_trip_same_bytes(server: str) -> None:
         sched.request_finished(a)
 
         b_req = FakeRequest("B", list(prompt))
-        assert sched.get_num_new_matched_tokens(b_req, 16) == (112, True)
+        assert ask(sched, b_req, 16) == (112, True)
         blocks_b = list(range(20, 30))
         sched.update_state_after_alloc(b_req, FakeBlocks((blocks_b,)), 112)
         plan = sched.build_connector_meta(StepOutput())

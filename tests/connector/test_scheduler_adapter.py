@@ -26,6 +26,7 @@ from tests.connector.fakes import (
     Group,
     NewReq,
     StepOutput,
+    ask,
 )
 from tests.support import returns_promptly, wait_until
 
@@ -176,7 +177,7 @@ def test_store_then_hit_then_load(adapters: list[SchedulerAdapter]) -> None:
     adapter = make(adapters, server)
     prompt = _tokens(200)
     a = FakeRequest("A", list(prompt))
-    assert adapter.get_num_new_matched_tokens(a, 0) == (0, False)
+    assert ask(adapter, a, 0) == (0, False)
     blocks_a = [list(range(1, 14))]
     adapter.update_state_after_alloc(a, FakeBlocks(tuple(blocks_a)), 0)
 
@@ -204,8 +205,8 @@ def test_store_then_hit_then_load(adapters: list[SchedulerAdapter]) -> None:
     # Same prompt again; vLLM's own prefix cache holds the first 32 tokens.
     b = FakeRequest("B", list(prompt))
     before = server.paths().count("POST /cache/lookup")
-    assert adapter.get_num_new_matched_tokens(b, 32) == (160, True)
-    assert adapter.get_num_new_matched_tokens(b, 32) == (160, True)  # memoised
+    assert ask(adapter, b, 32) == (160, True)
+    assert ask(adapter, b, 32) == (160, True)  # memoised
     assert server.paths().count("POST /cache/lookup") == before + 1
     blocks_b = list(range(20, 33))
     adapter.update_state_after_alloc(b, FakeBlocks((blocks_b,)), 160)
@@ -222,7 +223,7 @@ def test_last_token_is_never_a_hit(adapters: list[SchedulerAdapter]) -> None:
     adapter = make(adapters, server)
     prompt = _tokens(128)
     a = FakeRequest("A", prompt)
-    adapter.get_num_new_matched_tokens(a, 0)
+    ask(adapter, a, 0)
     adapter.update_state_after_alloc(a, FakeBlocks((list(range(1, 9)),)), 0)
     plan = adapter.build_connector_meta(
         StepOutput([NewReq("A", (list(range(1, 9)),), 0)], num_scheduled_tokens={"A": 128})
@@ -230,14 +231,14 @@ def test_last_token_is_never_a_hit(adapters: list[SchedulerAdapter]) -> None:
     _store(server, plan.stores)
     b = FakeRequest("B", list(prompt))
     # 128 tokens are cached but the last one must be computed: only one chunk counts.
-    assert adapter.get_num_new_matched_tokens(b, 0) == (64, True)
+    assert ask(adapter, b, 0) == (64, True)
 
 
 def test_short_prompt_makes_no_call(adapters: list[SchedulerAdapter]) -> None:
     server = FakeServer(min_chunk_size=64)
     adapter = make(adapters, server)
-    assert adapter.get_num_new_matched_tokens(FakeRequest("A", _tokens(64)), 0) == (0, False)
-    assert adapter.get_num_new_matched_tokens(FakeRequest("B", _tokens(300)), 256) == (0, False)
+    assert ask(adapter, FakeRequest("A", _tokens(64)), 0) == (0, False)
+    assert ask(adapter, FakeRequest("B", _tokens(300)), 256) == (0, False)
     assert "POST /cache/lookup" not in server.paths()
 
 
@@ -245,7 +246,7 @@ def test_store_limited_to_prompt_and_resumed_blocks(adapters: list[SchedulerAdap
     server = FakeServer(min_chunk_size=64)
     adapter = make(adapters, server)
     a = FakeRequest("A", _tokens(100), num_prompt_tokens=70)
-    adapter.get_num_new_matched_tokens(a, 0)
+    ask(adapter, a, 0)
     adapter.update_state_after_alloc(a, FakeBlocks(([1, 2, 3, 4, 5, 6, 7],)), 0)
     plan = adapter.build_connector_meta(
         StepOutput([NewReq("A", ([1, 2, 3],), 0)], num_scheduled_tokens={"A": 48})
@@ -266,7 +267,7 @@ def test_block_ids_only_for_cacheable_groups(adapters: list[SchedulerAdapter]) -
     server = FakeServer(min_chunk_size=64)
     adapter = make(adapters, server, spans=(16, 32), scratch=8)
     a = FakeRequest("A", _tokens(70))
-    adapter.get_num_new_matched_tokens(a, 0)
+    ask(adapter, a, 0)
     groups = (list(range(1, 6)), [99], [11, 12, 13])  # vLLM order: g0, ring, g2
     adapter.update_state_after_alloc(a, FakeBlocks(groups), 0)
     plan = adapter.build_connector_meta(
@@ -287,9 +288,11 @@ def test_degraded_lookup_and_stores(
     server.up = False
     a = FakeRequest("A", _tokens(200))
     with caplog.at_level(logging.WARNING, logger="mpcache.connector"):
-        assert adapter.get_num_new_matched_tokens(a, 0) == (0, False)
+        assert ask(adapter, a, 0) == (0, False)
         assert not adapter.available
-        assert adapter.get_num_new_matched_tokens(FakeRequest("B", _tokens(200)), 0) == (0, False)
+        assert ask(adapter, FakeRequest("B", _tokens(200)), 0) == (0, False)
+        # Logged on the loop thread, just after the link turned unhealthy.
+        wait_until(lambda: any("unhealthy" in r.message for r in caplog.records))
     assert sum("unhealthy" in r.message for r in caplog.records) == 1
     adapter.update_state_after_alloc(a, FakeBlocks((list(range(1, 14)),)), 0)
     plan = adapter.build_connector_meta(
@@ -304,7 +307,7 @@ def test_lookup_5xx_counts_as_miss_without_degrading(adapters: list[SchedulerAda
     server = FakeServer(min_chunk_size=64)
     adapter = make(adapters, server)
     server.fail_next["/cache/lookup"] = httpx.Response(500, json={"detail": "x"})
-    assert adapter.get_num_new_matched_tokens(FakeRequest("A", _tokens(200)), 0) == (0, False)
+    assert ask(adapter, FakeRequest("A", _tokens(200)), 0) == (0, False)
     assert adapter.available
 
 
@@ -352,7 +355,7 @@ def test_restart_with_other_size_stays_degraded(
         rounds = adapter.heartbeat.rounds
         wait_until(lambda: adapter.heartbeat.rounds >= rounds + 5)
     assert not link.healthy
-    assert adapter.get_num_new_matched_tokens(FakeRequest("A", _tokens(300)), 0) == (0, False)
+    assert ask(adapter, FakeRequest("A", _tokens(300)), 0) == (0, False)
     failures = [r for r in caplog.records if "cannot re-join" in r.message]
     assert len(failures) == 1  # logged once, not every heartbeat
     assert "112" in failures[0].message and "64" in failures[0].message
@@ -381,15 +384,15 @@ def test_multi_server_lookup_needs_every_server(adapters: list[SchedulerAdapter]
     adapter = make(adapters, a, b, world_size=2)
     prompt = _tokens(200)
     r = FakeRequest("A", list(prompt))
-    adapter.get_num_new_matched_tokens(r, 0)
+    ask(adapter, r, 0)
     adapter.update_state_after_alloc(r, FakeBlocks((list(range(1, 14)),)), 0)
     plan = adapter.build_connector_meta(
         StepOutput([NewReq("A", (list(range(1, 14)),), 0)], num_scheduled_tokens={"A": 200})
     )
     _store(a, plan.stores)  # rank 0 lives on server a, rank 1 on b
-    assert adapter.get_num_new_matched_tokens(FakeRequest("B", list(prompt)), 0) == (0, False)
+    assert ask(adapter, FakeRequest("B", list(prompt)), 0) == (0, False)
     _store(b, plan.stores)
-    assert adapter.get_num_new_matched_tokens(FakeRequest("C", list(prompt)), 0) == (192, True)
+    assert ask(adapter, FakeRequest("C", list(prompt)), 0) == (192, True)
 
 
 # ------------------------------------------------------ lookup age, guarded plans
@@ -406,7 +409,7 @@ class FakeClock:
 def _computed(adapter: SchedulerAdapter, server: FakeServer, prompt: list[int], end: int) -> None:
     """Run request "W" through one step that computes (and stores) ``end`` tokens."""
     w = FakeRequest(f"W{end}", list(prompt))
-    adapter.get_num_new_matched_tokens(w, 0)
+    ask(adapter, w, 0)
     blocks = list(range(1, 14))
     adapter.update_state_after_alloc(w, FakeBlocks((blocks,)), 0)
     plan = adapter.build_connector_meta(
@@ -428,16 +431,16 @@ def test_old_lookup_is_looked_up_again(adapters: list[SchedulerAdapter]) -> None
 
     b = FakeRequest("B", list(prompt))
     lookups = server.paths().count("POST /cache/lookup")
-    assert adapter.get_num_new_matched_tokens(b, 0) == (64, True)
+    assert ask(adapter, b, 0) == (64, True)
     _computed(adapter, server, prompt, 192)  # more chunks arrive while B waits
     clock.now += 9
-    assert adapter.get_num_new_matched_tokens(b, 0) == (64, True)  # memo still young
+    assert ask(adapter, b, 0) == (64, True)  # memo still young
     assert server.paths().count("POST /cache/lookup") == lookups + 2  # B once, W192 once
     clock.now += 1
-    assert adapter.get_num_new_matched_tokens(b, 0) == (192, True)  # looked up again
+    assert ask(adapter, b, 0) == (192, True)  # looked up again
     assert server.paths().count("POST /cache/lookup") == lookups + 3
     clock.now += 5
-    assert adapter.get_num_new_matched_tokens(b, 0) == (192, True)
+    assert ask(adapter, b, 0) == (192, True)
     assert server.paths().count("POST /cache/lookup") == lookups + 3
 
     blocks = list(range(20, 33))
@@ -451,11 +454,11 @@ def _three_requests(adapter: SchedulerAdapter, server: FakeServer) -> list[int]:
     prompt = _tokens(200)
     _computed(adapter, server, prompt, 128)
     c = FakeRequest("C", list(prompt))
-    assert adapter.get_num_new_matched_tokens(c, 0) == (128, True)
+    assert ask(adapter, c, 0) == (128, True)
     adapter.update_state_after_alloc(c, FakeBlocks((list(range(40, 53)),)), 128)
     for rid, seed in (("A", 1), ("B", 2)):
         r = FakeRequest(rid, _tokens(200, seed))
-        adapter.get_num_new_matched_tokens(r, 0)
+        ask(adapter, r, 0)
         adapter.update_state_after_alloc(r, FakeBlocks((list(range(1, 14)),)), 0)
     return list(range(1, 14))
 
@@ -505,7 +508,7 @@ def test_load_planning_failure_is_reported_not_lost(
     adapter = make(adapters, server)
     _three_requests(adapter, server)
     d = FakeRequest("D", _tokens(200))
-    assert adapter.get_num_new_matched_tokens(d, 64) == (64, True)
+    assert ask(adapter, d, 64) == (64, True)
     adapter.update_state_after_alloc(d, FakeBlocks((list(range(60, 73)),)), 64)
     real_load_op = adapter._load_op
 
@@ -519,3 +522,210 @@ def test_load_planning_failure_is_reported_not_lost(
     assert [op.request_id for op in plan.loads] == ["C"]
     assert plan.failed_loads == ("D",)
     assert StepPlan(failed_loads=("D",))  # a plan holding only failed loads is work too
+
+
+# ------------------------------------------------------------ asynchronous lookups
+
+
+def test_lookups_start_on_first_sight_and_go_in_one_batch_per_step(
+    adapters: list[SchedulerAdapter],
+) -> None:
+    """vLLM's thread never waits: each new request answers None, nothing is sent
+    until the step ends, then one call carries every request first seen in it."""
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server)
+    prompt = _tokens(200)
+    _computed(adapter, server, prompt, 128)
+    before = len(server.lookups())
+    requests = [FakeRequest(rid, list(prompt)) for rid in ("A", "B", "C")]
+    for r in requests:
+        assert adapter.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert adapter.get_num_new_matched_tokens(requests[0], 0) == (None, False)  # asked again
+    assert len(server.lookups()) == before  # nothing sent on vLLM's thread
+    adapter.build_connector_meta(StepOutput())  # the end of vLLM's schedule()
+    for r in requests:
+        assert ask(adapter, r, 0) == (128, True)
+    assert server.lookups()[before:] == [["A", "B", "C"]]
+    (call,) = [c for c in server.calls if c[1] == "/cache/lookup"][before:]
+    assert [item["num_tokens"] for item in call[2]["requests"]] == [192, 192, 192]
+    # Answered: memoised, no further call.
+    assert adapter.get_num_new_matched_tokens(requests[1], 64) == (64, True)
+    assert len(server.lookups()) == before + 1
+
+
+def test_pending_lookup_answers_none_until_it_lands(adapters: list[SchedulerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server)
+    prompt = _tokens(200)
+    _computed(adapter, server, prompt, 128)
+    server.lookup_gate.clear()
+    b = FakeRequest("B", list(prompt))
+    assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)
+    adapter.build_connector_meta(StepOutput())
+    wait_until(lambda: server.lookup_gate.is_set() or _sent(adapter))
+    for _ in range(3):  # several steps: still in flight, still None, nothing resent
+        assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)
+        adapter.build_connector_meta(StepOutput())
+    server.lookup_gate.set()
+    assert ask(adapter, b, 0) == (128, True)
+    assert server.lookups()[-1] == ["B"]
+    assert sum(ids == ["B"] for ids in server.lookups()) == 1
+
+
+def _sent(adapter: SchedulerAdapter) -> bool:
+    return not adapter._unsent
+
+
+def test_lookup_that_never_lands_answers_zero(
+    adapters: list[SchedulerAdapter], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stuck call cannot hold a request back: past lookup_timeout_s (+ grace) on the
+    adapter's clock the answer is 0, and the late answer is ignored."""
+    server = FakeServer(min_chunk_size=64)
+    clock = FakeClock()
+    adapter = make(adapters, server, clock=clock)
+    prompt = _tokens(200)
+    _computed(adapter, server, prompt, 128)
+    server.lookup_gate.clear()
+    b = FakeRequest("B", list(prompt))
+    assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)
+    adapter.build_connector_meta(StepOutput())
+    clock.now += adapter.config.lookup_timeout_s
+    assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)
+    clock.now += 1.0
+    with caplog.at_level(logging.ERROR, logger="mpcache.connector"):
+        assert adapter.get_num_new_matched_tokens(b, 0) == (0, False)
+    assert any("has not landed" in r.message for r in caplog.records)
+    server.lookup_gate.set()
+    wait_until(lambda: len(server.lookups()) >= 2)
+    assert adapter.get_num_new_matched_tokens(b, 0) == (0, False)  # memo: the answer given
+    assert adapter.available
+
+
+def test_failed_lookup_answers_zero(adapters: list[SchedulerAdapter]) -> None:
+    import httpx
+
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server)
+    prompt = _tokens(200)
+    _computed(adapter, server, prompt, 128)
+    server.fail_next["/cache/lookup"] = httpx.Response(503, json={"detail": "busy"})
+    assert ask(adapter, FakeRequest("B", list(prompt)), 0) == (0, False)
+    assert ask(adapter, FakeRequest("C", list(prompt)), 0) == (128, True)
+
+
+def test_degraded_answers_zero_at_once_even_while_pending(
+    adapters: list[SchedulerAdapter],
+) -> None:
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server)
+    prompt = _tokens(200)
+    _computed(adapter, server, prompt, 128)
+    server.lookup_gate.clear()
+    b = FakeRequest("B", list(prompt))
+    assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)
+    adapter.build_connector_meta(StepOutput())
+    link = adapter.links[server.url]
+    link.mark_unhealthy("test")
+    assert adapter.get_num_new_matched_tokens(b, 0) == (0, False)
+    server.lookup_gate.set()
+    wait_until(lambda: len(server.lookups()) >= 2)
+    link.mark_healthy(server.boot_id)
+    # The answer that was in flight is not used: a fresh lookup starts.
+    assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)
+    assert ask(adapter, b, 0) == (128, True)
+    assert server.lookups()[-2:] == [["B"], ["B"]]
+
+
+def test_request_finished_before_its_lookup_is_sent_is_never_looked_up(
+    adapters: list[SchedulerAdapter],
+) -> None:
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server, heartbeat=True, interval=10)  # its loop sends ends
+    a, b = FakeRequest("A", _tokens(200)), FakeRequest("B", _tokens(200, 1))
+    assert adapter.get_num_new_matched_tokens(a, 0) == (None, False)
+    assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)
+    adapter.request_finished(a)  # aborted while waiting
+    adapter.build_connector_meta(StepOutput())
+    assert ask(adapter, b, 0) == (0, False)
+    assert server.lookups() == [["B"]]
+    wait_until(lambda: server.ended == ["A"])
+
+
+def test_request_finished_while_its_lookup_is_in_flight_leaks_no_session(
+    adapters: list[SchedulerAdapter],
+) -> None:
+    """The end sent with the next step may reach the server before the lookup, which
+    would reopen the session: the lookup's own landing ends it again."""
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server, heartbeat=True, interval=10)  # its loop sends ends
+    server.lookup_gate.clear()
+    a = FakeRequest("A", _tokens(200))
+    assert adapter.get_num_new_matched_tokens(a, 0) == (None, False)
+    adapter.build_connector_meta(StepOutput())
+    adapter.request_finished(a)
+    adapter.build_connector_meta(StepOutput())  # sends the end; the lookup is held
+    wait_until(lambda: server.ended == ["A"])
+    server.lookup_gate.set()
+    wait_until(lambda: server.ended == ["A", "A"])
+    paths = [p for p in server.paths() if p in ("POST /cache/lookup", "POST /cache/end")]
+    assert paths[-2:] == ["POST /cache/lookup", "POST /cache/end"]  # ended after the lookup
+    assert "A" not in adapter._requests
+
+
+def test_old_memo_is_refreshed_asynchronously(adapters: list[SchedulerAdapter]) -> None:
+    """Past lookup_max_age_s the memo is not used: the request waits (None) for the
+    refreshed answer, which renews the server's lease."""
+    server = FakeServer(min_chunk_size=64)
+    clock = FakeClock()
+    adapter = make(adapters, server, clock=clock)
+    prompt = _tokens(200)
+    _computed(adapter, server, prompt, 64)
+    b = FakeRequest("B", list(prompt))
+    assert ask(adapter, b, 0) == (64, True)
+    _computed(adapter, server, prompt, 192)
+    clock.now += adapter.config.lookup_max_age_s
+    assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)  # not the old 64
+    assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)
+    assert ask(adapter, b, 0) == (192, True)
+
+
+def test_lookups_after_the_lookup_thread_stopped_answer_zero(
+    adapters: list[SchedulerAdapter],
+) -> None:
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server)
+    adapter._lookup_thread.shutdown()
+    a = FakeRequest("A", _tokens(200))
+    assert adapter.get_num_new_matched_tokens(a, 0) == (None, False)
+    adapter.build_connector_meta(StepOutput())
+    assert adapter.get_num_new_matched_tokens(a, 0) == (0, False)
+    assert server.lookups() == []
+
+
+def test_tokens_are_packed_once_per_request(
+    adapters: list[SchedulerAdapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lookup packs the prompt; the store plan reuses those bytes."""
+    import contract.tokens
+
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server)
+    packed: list[int] = []
+    real = contract.tokens.pack_tokens
+
+    def counting(tokens: Any) -> bytes:
+        packed.append(len(tokens))
+        return real(tokens)
+
+    monkeypatch.setattr(contract.tokens, "pack_tokens", counting)
+    a = FakeRequest("A", _tokens(200))
+    assert ask(adapter, a, 0) == (0, False)
+    blocks = list(range(1, 14))
+    adapter.update_state_after_alloc(a, FakeBlocks((blocks,)), 0)
+    plan = adapter.build_connector_meta(
+        StepOutput([NewReq("A", (blocks,), 0)], num_scheduled_tokens={"A": 192})
+    )
+    (op,) = plan.stores
+    assert _decode(op) == a.all_token_ids[:192]
+    assert packed == [192]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -190,24 +190,48 @@ def _run_two_requests(tiny_model_dir: Path, extra: dict[str, Any], built: list[A
 
     prompt = [(i * 37 + 11) % 997 for i in range(150)]
     scheduler.add_request(make_request("A", prompt))
-    for _ in range(10):  # chunked prefill of 96 tokens per step
+
+    # A's lookup (a miss), then chunked prefill of 96 tokens per step.
+    def a_finished() -> bool:
         worker.step()
-        if not scheduler.requests:
-            break
-    assert not scheduler.requests, "request A did not finish"
+        return not scheduler.requests
+
+    wait_until(a_finished, what="A finished", poll_s=0.001)
     for t in worker.kv.values():  # forget everything A left in vLLM's blocks
         t.zero_()
 
     scheduler.add_request(make_request("B", prompt))
-    out, _ = worker.step()  # lookup hit: blocks allocated, load runs this step
+    out, _ = worker.step()  # B's lookup starts: vLLM skips B while it is in flight
+    assert out.scheduled_new_reqs == [] and "B" not in out.num_scheduled_tokens
+    # Later steps: the answer lands, blocks are allocated and the load runs...
+    out = step_until(worker, lambda out: any(op.request_id == "B" for op in _loads(out)), "load")
     assert out.scheduled_new_reqs == []
     blocks_b = worker.blocks_of("B")
     loaded = {
         layer: [worker.slot(layer, blocks_b, p).clone() for p in range(128)] for layer in LAYERS
     }
-    out, _ = worker.step()  # B is scheduled with the loaded tokens computed
+    # ...then B is scheduled with the loaded tokens computed.
+    out, _ = worker.step()
     (new,) = out.scheduled_new_reqs
     return worker, new, prompt, loaded, kv_value
+
+
+def _loads(out: Any) -> tuple[Any, ...]:
+    return tuple(out.kv_connector_metadata.plan.loads)
+
+
+def step_until(worker: Any, done: Callable[[Any], bool], what: str) -> Any:
+    """Step the engine until ``done(scheduler_output)`` holds; that output."""
+    found: list[Any] = []
+
+    def step() -> bool:
+        out, _ = worker.step()
+        if done(out):
+            found.append(out)
+        return bool(found)
+
+    wait_until(step, what=what, poll_s=0.001)
+    return found[0]
 
 
 @pytest.mark.vllm
@@ -409,3 +433,66 @@ def test_get_finished_does_not_lose_failed_loads(
         assert recving == {"MISS"}
         assert conn.get_block_ids_with_load_errors() == {3, 4, 5, 6}
     assert conn.get_transfer_results(set()).finished_recving == set()
+
+
+@pytest.mark.vllm
+def test_real_scheduler_async_lookups_lose_nothing(
+    tiny_model_dir: Path, fake_server: FakeServer, built: list[Any]
+) -> None:
+    """vLLM's real Scheduler with lookups in flight: the requests first seen in a step
+    are skipped (None) and looked up in one call; each is admitted later with its own
+    answer (hits load 128 tokens, misses none); an abort while the lookup is in
+    flight leaves no session behind; every request finishes."""
+    from vllm.v1.request import RequestStatus
+
+    from tests.connector.vllm_support import (
+        CpuWorker,
+        make_kv_cache_config,
+        make_request,
+        make_scheduler,
+        make_vllm_config,
+    )
+
+    num_blocks = 128
+    extra = {"mpcache.server_urls": fake_server.url}
+    config = make_vllm_config(tiny_model_dir, extra, max_num_batched_tokens=2048)
+    kvcc = make_kv_cache_config(num_blocks)
+    scheduler = make_scheduler(config, kvcc)
+    built.append(scheduler.connector)
+    worker_conn = _factory(config, "worker", kvcc)
+    built.append(worker_conn)
+    worker = CpuWorker(worker_conn, scheduler, num_blocks)
+
+    cached = [(i * 37 + 11) % 997 for i in range(150)]
+    scheduler.add_request(make_request("seed", cached))
+    step_until(worker, lambda out: not scheduler.requests, "seed finished")
+
+    fake_server.lookup_gate.clear()
+    hits = [f"hit{i}" for i in range(3)]
+    misses = [f"miss{i}" for i in range(3)]
+    for rid in hits:
+        scheduler.add_request(make_request(rid, cached))
+    for i, rid in enumerate(misses):
+        scheduler.add_request(make_request(rid, [(t * 7 + i) % 991 for t in range(150)]))
+    scheduler.add_request(make_request("aborted", cached))
+    before = len(fake_server.lookups())
+    for _ in range(3):  # lookups in flight: nothing is admitted, nothing blocks
+        out, _ = worker.step()
+        assert out.scheduled_new_reqs == [] and not _loads(out)
+    scheduler.finish_requests("aborted", RequestStatus.FINISHED_ABORTED)
+    fake_server.lookup_gate.set()
+
+    admitted: dict[str, int] = {}
+
+    def all_done(out: Any) -> bool:
+        for new in out.scheduled_new_reqs:
+            admitted[new.req_id] = new.num_computed_tokens
+        return not scheduler.requests
+
+    step_until(worker, all_done, "every request finished")
+    assert fake_server.lookups()[before] == [*hits, *misses, "aborted"]  # one batch
+    assert admitted == {**dict.fromkeys(hits, 128), **dict.fromkeys(misses, 0)}
+    wait_until(lambda: fake_server.ended.count("aborted") == 2)
+    calls = [(p, b) for _, p, b in fake_server.calls if p in ("/cache/lookup", "/cache/end")]
+    last = max(i for i, (_, b) in enumerate(calls) if "aborted" in str(b))
+    assert calls[last][0] == "/cache/end"  # its session ended after its lookup

@@ -99,3 +99,74 @@ def test_block_runs(
     slots: list[int], ids: list[int], runs: list[tuple[int, int, int]] | None
 ) -> None:
     assert block_runs(np.array(slots, dtype=np.int64), np.array(ids, dtype=np.int64)) == runs
+
+
+def test_copy_pool_lanes_all_finish_before_an_error_is_raised() -> None:
+    """A chunk whose copy fails is aborted by its caller: no lane may still be
+    writing into the entry by then."""
+    import threading
+    import time
+
+    from dataplane.transfer import CopyPool
+
+    pool = CopyPool(3)
+    finished: list[int] = []
+    lock = threading.Lock()
+
+    def job(i: int) -> int:
+        if i == 0:
+            raise RuntimeError("lane 0 failed")
+        time.sleep(0.05)
+        with lock:
+            finished.append(i)
+        return i
+
+    try:
+        jobs = [lambda i=i: job(i) for i in range(6)]  # type: ignore[misc]
+        with pytest.raises(RuntimeError, match="lane 0 failed"):
+            pool.run(jobs)
+        # Lane 0 (the caller) stops at job 0; lanes 1 and 2 run all of theirs.
+        assert sorted(finished) == [1, 2, 4, 5]
+        assert pool.run([lambda: 1, lambda: 2, lambda: 3]) == 6
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.bfloat16, torch.float32, torch.float16, torch.int8, torch.float64],
+    ids=str,
+)
+def test_every_path_and_lane_count_moves_the_same_bytes(threads: int, dtype: torch.dtype) -> None:
+    """Runs, scattered blocks, null blocks, several tensors split across lanes:
+    the entry and the retrieved blocks hold exactly the source bytes."""
+    from dataplane.transfer import CopyPool
+
+    gen = torch.Generator().manual_seed(threads)
+    shape = (2, 24, 16, 2, 8)
+    srcs = [(torch.rand(shape, generator=gen) * 100).to(dtype) for _ in range(3)]  # three "layers"
+    dsts = [torch.zeros_like(t) for t in srcs]
+    plans = [_plan_for(t, 1)[0] for t in srcs]
+    dst_plans = [_plan_for(t, 1)[0] for t in dsts]
+    layout = _plan_for(srcs[0], 1)[1]
+    # Regions of one layer each: give each plan its own entry.
+    pool = CopyPool(threads)
+    try:
+        for store_ids, load_ids in ID_PAIRS:
+            for d in dsts:
+                d.zero_()
+            entries = [torch.zeros(layout.chunk_bytes, dtype=torch.uint8) for _ in plans]
+            for plan, dst_plan, entry in zip(plans, dst_plans, entries, strict=True):
+                copied = gather_chunk([plan], [np.array(store_ids)], entry, pool)
+                assert copied == layout.regions[0].nbytes
+                scatter_chunk([dst_plan], [np.array(load_ids)], entry, pool)
+            both = gather_chunk(plans[:1] * 2, [np.array(store_ids)], entries[0], pool)
+            assert both == 2 * layout.regions[0].nbytes
+            for src, dst in zip(srcs, dsts, strict=True):
+                for a, b in zip(store_ids, load_ids, strict=True):
+                    if a and b:
+                        assert torch.equal(src[:, a].view(torch.uint8), dst[:, b].view(torch.uint8))
+                assert not dst[:, 0].view(torch.uint8).any()  # null block never written
+    finally:
+        pool.close()

@@ -57,18 +57,23 @@ def test_bad_pool_settings(overrides: dict[str, object]) -> None:
 
 
 def test_copy_threads_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
     import torch
 
     from dataplane.transfer import configure_copy_threads
 
     before = torch.get_num_threads()
     try:
-        assert configure_copy_threads(0) == max(1, min(4, os.cpu_count() or 1))
         assert configure_copy_threads(3) == 3 and torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
     assert parse_settings(["server", "--copy-threads", "2"]).copy_threads == 2
     with pytest.raises(ValueError):
         Settings(copy_threads=-1)
+
+
+def test_copy_threads_are_measured_when_not_given() -> None:
+    from dataplane.transfer import measure_copy_threads
+
+    threads, rates = measure_copy_threads(2, nbytes=1 << 20, block_bytes=16 << 10)
+    assert threads in (1, 2) and set(rates) == {1, 2} and all(r > 0 for r in rates.values())
+    assert measure_copy_threads(1) == (1, {})  # nothing to choose from

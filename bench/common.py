@@ -1,0 +1,83 @@
+"""What every bench shares: the machine line, rounds, and the tables they print.
+
+Every bench measures its baseline *between* the calls it measures, round by round,
+so machine noise hits both alike, and runs at least 5 rounds. A figure is reported
+as the median over the rounds with the min-max spread; a ratio is taken within
+each round (measured / that round's baseline) and summarised the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+__all__ = ["MIN_ROUNDS", "ROOT", "Rounds", "load_line", "spread", "summary", "timed_ms"]
+
+MIN_ROUNDS = 5
+
+
+def load_line() -> str:
+    """Cores and load average: printed first by every bench."""
+    one, five, fifteen = os.getloadavg()
+    return f"machine: {os.cpu_count()} cores, load average {one:.2f} {five:.2f} {fifteen:.2f}"
+
+
+def spread(values: Sequence[float]) -> tuple[float, float]:
+    return min(values), max(values)
+
+
+def summary(values: Sequence[float], digits: int = 2) -> str:
+    """``median (min-max)``."""
+    lo, hi = spread(values)
+    med = statistics.median(values)
+    return f"{med:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
+
+
+def timed_ms(call: Callable[[], object], n: int) -> float:
+    """Median wall time of ``n`` calls, in ms."""
+    times = []
+    for _ in range(n):
+        begin = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
+class Rounds:
+    """Per-round values of named figures (one value per figure per round)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[float]] = {}
+
+    def add(self, name: str, value: float) -> None:
+        self.values.setdefault(name, []).append(value)
+
+    def ratios(self, name: str, baseline: str) -> list[float]:
+        return [a / b for a, b in zip(self.values[name], self.values[baseline], strict=True)]
+
+    def table(
+        self,
+        names: Sequence[str],
+        baseline: str,
+        *,
+        unit: str,
+        ratio_label: str,
+        target: str = "",
+        digits: int = 3,
+    ) -> str:
+        """One row per figure: median (min-max) of its values and of its per-round
+        ratio to ``baseline``."""
+        rounds = len(self.values[baseline])
+        head = f"{'':<44}{unit + ' median (min-max)':>30}{ratio_label:>30}"
+        lines = [head + (f"   {target}" if target else "")]
+        for name in names:
+            values = self.values[name]
+            ratio = "" if name == baseline else summary(self.ratios(name, baseline))
+            lines.append(f"{name:<44}{summary(values, digits):>30}{ratio:>30}")
+        lines.append(f"({rounds} rounds, each ratio within its round)")
+        return "\n".join(lines)

@@ -1,0 +1,258 @@
+"""A burst of new requests through the real SchedulerAdapter: vLLM's scheduler thread.
+
+Against one real server (started here), with every prompt's chunks cached, each
+round:
+
+- ``GET /health`` round trips (``--health-calls``; their median is the round's
+  baseline), interleaved with the burst;
+- a burst of ``--requests`` new requests of ``--tokens`` tokens, driven as vLLM's
+  scheduler drives the connector: each step calls ``get_num_new_matched_tokens``
+  for every waiting request, then ``build_connector_meta`` (which ends vLLM's
+  ``schedule()``); a request whose answer is ``None`` waits for a later step; between
+  steps the thread sleeps 1 ms, as vLLM's engine loop does when a step ran no model.
+
+Figures, each per round and as a ratio to that round's /health: the scheduler
+thread's time in the first step (``get_num_new_matched_tokens`` for the whole burst
+plus ``build_connector_meta``; target <= 2x), the longest later step (target <= 2x),
+and the time from the first call until every request has its answer (target
+<= 10x). Every answer is checked (the cached tokens, in whole chunks). At least 5
+rounds; median and min-max spread, with the machine load.
+
+    .venv/bin/python bench/scheduler_burst_bench.py [--rounds 7] [--requests 64]
+
+Works against older adapters too (a synchronous lookup answers in the first step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import MIN_ROUNDS, Rounds, load_line
+from connector.alignment import layout_from_groups
+from connector.config import ConnectorConfig
+from connector.scheduler import SchedulerAdapter
+from contract.tokens import encode_tokens
+from tests.support import server_process
+
+BLOCK_SIZE = 16
+CHUNK = 256
+NAMESPACE = "bench@burst/ws1"
+POLL_S = 0.001
+KV_SHAPE = (
+    2,
+    BLOCK_SIZE,
+    1,
+    8,
+)  # per block: K and V of one head of 8: tiny, the copy is not measured
+
+
+@dataclass(frozen=True)
+class _Spec:
+    block_size: int
+
+
+@dataclass
+class _Group:
+    kv_cache_spec: Any
+    layer_names: list[str]
+
+
+@dataclass
+class _Request:
+    request_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+    cache_salt: str | None = None
+
+
+@dataclass
+class _Cached:
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    new_block_ids: list[Any] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Step:
+    scheduled_new_reqs: list[Any] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    scheduled_cached_reqs: _Cached = field(default_factory=_Cached)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 131) % 50000 for i in range(n)]
+
+
+def _cache_prompts(http: httpx.Client, prompts: list[list[int]], tokens: int) -> None:
+    """Store every whole chunk of every prompt through a tiny registered KV cache."""
+    import torch
+
+    from contract.shm_naming import segment_name
+    from dataplane.segments import Segment
+
+    blocks = tokens // BLOCK_SIZE
+    per_layer = (blocks + 1) * 2 * BLOCK_SIZE * 8 * 4
+    segment = Segment.create(segment_name("w"), per_layer)
+    try:
+        view = torch.frombuffer(segment.buffer, dtype=torch.float32)
+        view.fill_(1.0)
+        shape = [blocks + 1, *KV_SHAPE]
+        stride = [2 * BLOCK_SIZE * 8, BLOCK_SIZE * 8, 8, 8, 1]
+        tensor = {
+            "transport": "shm",
+            "segment": segment.name,
+            "offset_bytes": 0,
+            "shape": shape,
+            "stride": stride,
+            "dtype": "float32",
+            "block_dim": 0,
+        }
+        body = {
+            "instance_id": "burst",
+            "rank": 0,
+            "chunk_size": CHUNK,
+            "namespace": NAMESPACE,
+            "groups": [{"group_id": 0, "kind": "attention", "token_span": BLOCK_SIZE}],
+            "layers": [{"name": "l0", "group_id": 0, "tensors": [tensor]}],
+        }
+        http.post("/register", json=body).raise_for_status()
+        ids = list(range(1, blocks + 1))
+        for i, prompt in enumerate(prompts):
+            end = (len(prompt) - 1) // CHUNK * CHUNK
+            item = {
+                "request_id": f"seed{i}",
+                "namespace": NAMESPACE,
+                "tokens_b64": encode_tokens(prompt[:end]),
+                "start_token": 0,
+                "end_token": end,
+                "block_ids": [ids],
+            }
+            reply = http.post(
+                "/cache/store", json={"instance_id": "burst", "rank": 0, "requests": [item]}
+            )
+            reply.raise_for_status()
+            assert reply.json()["results"][0]["stored_chunks"] == end // CHUNK, reply.text
+        http.post("/cache/end", json={"request_ids": [f"seed{i}" for i in range(len(prompts))]})
+        http.delete("/register/burst/0").raise_for_status()
+        del view
+    finally:
+        segment.close()
+
+
+def burst(sched: SchedulerAdapter, requests: list[_Request], expect: int) -> dict[str, float]:
+    """Drive one burst as vLLM's scheduler would; times in ms."""
+    waiting = list(requests)
+    answered: dict[str, int] = {}
+    steps: list[float] = []
+    begin = time.perf_counter()
+    while waiting:
+        step_start = time.perf_counter()
+        still = []
+        for request in waiting:
+            need, _ = sched.get_num_new_matched_tokens(request, 0)
+            if need is None:
+                still.append(request)
+            else:
+                answered[request.request_id] = need
+        sched.build_connector_meta(_Step())
+        steps.append((time.perf_counter() - step_start) * 1e3)
+        waiting = still
+        if waiting:
+            if time.perf_counter() - begin > 30:
+                raise SystemExit(f"{len(waiting)} requests still unanswered after 30 s")
+            time.sleep(POLL_S)  # vLLM's engine loop after a step that ran no model
+    total = (time.perf_counter() - begin) * 1e3
+    wrong = {rid: n for rid, n in answered.items() if n != expect}
+    assert not wrong, f"answers other than {expect}: {wrong}"
+    for request in requests:
+        sched.request_finished(request)
+    sched.build_connector_meta(_Step())  # ends their sessions
+    return {
+        "first step": steps[0],
+        "longest later step": max(steps[1:], default=0.0),
+        "every request answered": total,
+        "steps": float(len(steps)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--health-calls", type=int, default=20)
+    args = parser.parse_args()
+    rounds_n = max(MIN_ROUNDS, args.rounds)
+    print(load_line())
+    print(
+        f"{args.requests} new requests of {args.tokens} tokens a burst (all chunks cached), "
+        f"chunk {CHUNK}; {rounds_n} rounds"
+    )
+    layout = layout_from_groups([_Group(_Spec(BLOCK_SIZE), ["l0"])])
+    prompts = [_prompt(args.tokens, seed) for seed in range(args.requests)]
+    expect = (args.tokens - 1) // CHUNK * CHUNK
+    rounds = Rounds()
+    steps: list[float] = []
+    with (
+        server_process("--chunk-size", str(CHUNK), "--pool-size", "64MiB") as (url, _),
+        httpx.Client(base_url=url) as http,
+    ):
+        http.post("/negotiate", json={"required_alignment": BLOCK_SIZE}).raise_for_status()
+        _cache_prompts(http, prompts, args.tokens)
+        config = ConnectorConfig(server_urls=(url,), request_timeout_s=10, lookup_timeout_s=10)
+        sched = SchedulerAdapter(
+            config,
+            layout,  # type: ignore[arg-type]
+            model="bench",
+            instance_id="bench",
+            namespace=NAMESPACE,
+            world_size=1,
+        )
+        try:
+            for r in range(-1, rounds_n):  # round -1 warms up
+                health = []
+                for i in range(args.health_calls):
+                    begin = time.perf_counter()
+                    http.get("/health").raise_for_status()
+                    health.append((time.perf_counter() - begin) * 1e3)
+                    if i == args.health_calls // 2:  # the burst sits between /health calls
+                        requests = [
+                            _Request(f"r{r}-{j}", list(p), len(p)) for j, p in enumerate(prompts)
+                        ]
+                        figures = burst(sched, requests, expect)
+                if r < 0:
+                    continue
+                rounds.add("GET /health", statistics.median(health))
+                for name, value in figures.items():
+                    if name == "steps":
+                        steps.append(value)
+                    else:
+                        rounds.add(name, value)
+        finally:
+            sched.shutdown()
+    print(load_line())
+    print(
+        rounds.table(
+            ["GET /health", "first step", "longest later step", "every request answered"],
+            "GET /health",
+            unit="ms",
+            ratio_label="/ GET /health",
+            target="targets: steps <= 2, answered <= 10",
+        )
+    )
+    print(f"steps until every request was answered: {statistics.median(steps):.0f} (median)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""The binary lookup form: ``POST /cache/lookup`` with ``content-type: application/octet-stream``.
+
+The JSON forms carry a lookup's tokens as a list or as base64 text
+(``contract.tokens``); this form carries them raw, after a small JSON header, so
+neither side parses a token list or base64 text and the body is 3/4 the size::
+
+    offset    bytes   content
+    0         4       magic b"MPL1" (mpcache lookup, version 1)
+    4         4       H: the header's length, uint32 little-endian
+    8         H       header: UTF-8 JSON of ``LookupFrameHeader``; each item says
+                      how many tokens are its own (``num_tokens``)
+    8+H       P       zero bytes, padding the header to a multiple of 4 (P = -H mod 4)
+    8+H+P     4*T     token ids, little-endian int32: item 0's, then item 1's, ...
+
+``T`` is the sum of the items' ``num_tokens``: the body is exactly
+``8 + H + P + 4*T`` bytes. The reply is the JSON ``LookupResponse``, one result per
+item, in order. The connector sends a frame as it packs it (``lookup_frame_parts``,
+in a chunked body: item ``i + 1`` is packed while item ``i`` travels); the server
+reads it as it arrives (``LookupFrameReader``; ``decode_lookup_frame`` for a whole
+body) and refuses, with a ``ValueError`` naming the fault, a bad magic, a length
+that does not add up, or a negative token id (a header that does not validate
+raises pydantic's ``ValidationError``, itself a ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from contract.schemas import LookupFrameHeader, LookupFrameItem
+from contract.tokens import TOKEN_DTYPE, check_tokens
+
+__all__ = [
+    "LOOKUP_FRAME_MAGIC",
+    "LOOKUP_FRAME_MEDIA_TYPE",
+    "LookupFrameReader",
+    "decode_lookup_frame",
+    "encode_lookup_frame",
+    "lookup_frame_parts",
+]
+
+LOOKUP_FRAME_MEDIA_TYPE = "application/octet-stream"
+LOOKUP_FRAME_MAGIC = b"MPL1"
+_PREFIX = struct.Struct("<4sI")
+
+
+def _head(header: LookupFrameHeader) -> bytes:
+    head = header.model_dump_json(exclude_none=True).encode()
+    return b"".join((_PREFIX.pack(LOOKUP_FRAME_MAGIC, len(head)), head, b"\0" * (-len(head) % 4)))
+
+
+def encode_lookup_frame(header: LookupFrameHeader, packed: Sequence[bytes]) -> bytes:
+    """The frame of ``header`` whose item ``i`` has the int32 bytes ``packed[i]``."""
+    if len(packed) != len(header.requests):
+        raise ValueError(f"{len(packed)} token blobs for {len(header.requests)} items")
+    return b"".join(lookup_frame_parts(header, packed))
+
+
+def lookup_frame_parts(header: LookupFrameHeader, packed: Iterable[bytes]) -> Iterator[bytes]:
+    """The frame in pieces: prefix and header, then each item's bytes as ``packed``
+    yields them, so a sender can pack item ``i + 1`` while item ``i`` is on the wire
+    (and the server works on it: ``LookupFrameReader``)."""
+    yield _head(header)
+    items = iter(header.requests)
+    for blob in packed:
+        item = next(items, None)
+        if item is None:
+            raise ValueError(f"more token blobs than the {len(header.requests)} items")
+        if len(blob) != 4 * item.num_tokens:
+            raise ValueError(
+                f"request {item.request_id!r}: {len(blob)} token bytes for "
+                f"num_tokens {item.num_tokens}"
+            )
+        yield blob
+    if next(items, None) is not None:
+        raise ValueError(f"fewer token blobs than the {len(header.requests)} items")
+
+
+class LookupFrameReader:
+    """``decode_lookup_frame`` for a body that arrives in pieces.
+
+    ``feed`` takes the next bytes and returns the items completed by them, each with
+    its token ids, so a server can hash item ``i`` while item ``i + 1`` is still
+    arriving; ``close`` checks that the body ended exactly where the items say.
+    Faults raise ``ValueError`` as soon as they are seen (a header that does not
+    validate: pydantic's ``ValidationError``).
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._at = 0  # consumed bytes at the front of _buf
+        self._received = 0
+        self._header: LookupFrameHeader | None = None
+        self._head_end = 0
+        self._tokens_start = 0
+        self._next = 0
+
+    def feed(self, data: bytes) -> list[tuple[LookupFrameItem, np.ndarray]]:
+        self._buf += data
+        self._received += len(data)
+        out: list[tuple[LookupFrameItem, np.ndarray]] = []
+        if self._header is None and not self._read_header():
+            return out
+        assert self._header is not None
+        items = self._header.requests
+        while self._next < len(items):
+            need = 4 * items[self._next].num_tokens
+            if len(self._buf) - self._at < need:
+                break
+            raw = bytes(self._buf[self._at : self._at + need])
+            self._at += need
+            out.append((items[self._next], check_tokens(np.frombuffer(raw, dtype=TOKEN_DTYPE))))
+            self._next += 1
+        if self._next == len(items) and len(self._buf) > self._at:
+            self._fail_length()
+        if self._at > len(self._buf) // 2:  # compact now and then, not per item
+            del self._buf[: self._at]
+            self._at = 0
+        return out
+
+    def close(self) -> None:
+        """``ValueError`` unless the body held exactly the header and every item."""
+        if self._header is None:
+            if self._received < _PREFIX.size:
+                raise ValueError(
+                    f"a lookup frame starts with {_PREFIX.size} bytes; got {self._received}"
+                )
+            raise ValueError(
+                f"header length {self._head_end - _PREFIX.size} runs past the "
+                f"{self._received}-byte body"
+            )
+        if self._next < len(self._header.requests) or len(self._buf) > self._at:
+            self._fail_length()
+
+    def _read_header(self) -> bool:
+        if len(self._buf) < _PREFIX.size:
+            return False
+        magic, head_len = _PREFIX.unpack_from(self._buf)
+        if magic != LOOKUP_FRAME_MAGIC:
+            raise ValueError(f"a lookup frame starts with {LOOKUP_FRAME_MAGIC!r}, not {magic!r}")
+        self._head_end = _PREFIX.size + head_len
+        start = self._head_end + (-head_len % 4)
+        if len(self._buf) < start:
+            return False
+        self._header = LookupFrameHeader.model_validate_json(
+            bytes(self._buf[_PREFIX.size : self._head_end])
+        )
+        self._at = start
+        self._tokens_start = start
+        return True
+
+    def _fail_length(self) -> None:
+        assert self._header is not None
+        total = sum(item.num_tokens for item in self._header.requests)
+        raise ValueError(
+            f"the items name {total} tokens ({4 * total} bytes) but the token section "
+            f"holds {self._received - self._tokens_start} bytes"
+        )
+
+
+def decode_lookup_frame(raw: bytes) -> list[tuple[LookupFrameItem, np.ndarray]]:
+    """Each item of the frame ``raw`` with its token ids."""
+    reader = LookupFrameReader()
+    items = reader.feed(raw)
+    reader.close()
+    return items

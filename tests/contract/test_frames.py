@@ -1,0 +1,104 @@
+"""The binary lookup form: what the connector frames, the server reads back."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from contract.frames import LOOKUP_FRAME_MAGIC, decode_lookup_frame, encode_lookup_frame
+from contract.schemas import LookupFrameHeader, LookupFrameItem
+from contract.tokens import TokenEncoder, pack_tokens
+
+
+def _header(*sizes: int, salt: str | None = None) -> LookupFrameHeader:
+    return LookupFrameHeader(
+        requests=[
+            LookupFrameItem(
+                request_id=f"r{i}", namespace="ns", cache_salt=salt, world_size=2, num_tokens=n
+            )
+            for i, n in enumerate(sizes)
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        pytest.param((), id="empty"),
+        pytest.param((0,), id="no-tokens"),
+        pytest.param((5, 0, 3), id="mixed"),
+        pytest.param((4096,) * 3, id="long"),
+    ],
+)
+def test_round_trip(sizes: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(len(sizes))
+    tokens = [rng.integers(0, 2**31 - 1, n, dtype=np.int64).tolist() for n in sizes]
+    header = _header(*sizes, salt="tenant")
+    raw = encode_lookup_frame(header, [pack_tokens(t) for t in tokens])
+    assert raw[:4] == LOOKUP_FRAME_MAGIC
+    head_len = struct.unpack_from("<I", raw, 4)[0]
+    start = 8 + head_len + (-head_len % 4)
+    assert start % 4 == 0 and len(raw) == start + 4 * sum(sizes)
+    decoded = decode_lookup_frame(raw)
+    assert [item for item, _ in decoded] == list(header.requests)
+    assert [arr.tolist() for _, arr in decoded] == tokens
+    assert all(arr.dtype == np.dtype("<i4") for _, arr in decoded)
+
+
+def test_encoder_mismatch_is_refused() -> None:
+    with pytest.raises(ValueError, match="2 token blobs for 1 items"):
+        encode_lookup_frame(_header(2), [b"", b""])
+    with pytest.raises(ValueError, match="4 token bytes for num_tokens 2"):
+        encode_lookup_frame(_header(2), [pack_tokens([1])])
+
+
+def test_token_encoder_packs_once_and_agrees_with_pack_tokens() -> None:
+    tokens = list(range(100))
+    enc = TokenEncoder()
+    assert enc.packed(tokens, 10) == pack_tokens(tokens[:10])
+    tokens.extend(range(100, 120))
+    assert enc.packed(tokens, 120) == pack_tokens(tokens)
+    assert enc.packed(tokens, 64) == pack_tokens(tokens[:64])
+    assert np.frombuffer(enc.packed(tokens, 3), dtype="<i4").tolist() == [0, 1, 2]
+
+
+def test_reader_gives_each_item_as_soon_as_its_bytes_are_in() -> None:
+    """The server serves item i while item i + 1 is still on the wire."""
+    from contract.frames import LookupFrameReader, lookup_frame_parts
+
+    tokens = [list(range(5)), list(range(100, 103)), list(range(7))]
+    parts = list(lookup_frame_parts(_header(5, 3, 7), [pack_tokens(t) for t in tokens]))
+    reader = LookupFrameReader()
+    raw = b"".join(parts)
+    seen: list[list[int]] = []
+    for i in range(0, len(raw), 3):  # three bytes at a time
+        seen += [arr.tolist() for _, arr in reader.feed(raw[i : i + 3])]
+        if i >= len(parts[0]) + 20:  # the first item (20 bytes) is out by now
+            assert seen[:1] == tokens[:1]
+    reader.close()
+    assert seen == tokens
+
+
+def test_reader_refuses_a_fault_where_it_is_found() -> None:
+    from contract.frames import LookupFrameReader
+
+    good = pack_tokens([1, 2])
+    raw = encode_lookup_frame(_header(2, 2), [good, good])
+    bad = raw[:-4] + struct.pack("<i", -3)
+    reader = LookupFrameReader()
+    first = reader.feed(bad[:-8])
+    assert [arr.tolist() for _, arr in first] == [[1, 2]]
+    with pytest.raises(ValueError, match="negative token id"):
+        reader.feed(bad[-8:])
+    short = LookupFrameReader()
+    short.feed(raw[:-1])
+    with pytest.raises(ValueError, match="token section holds 15 bytes"):
+        short.close()
+    from contract.frames import lookup_frame_parts
+
+    with pytest.raises(ValueError, match="more token blobs"):
+        list(lookup_frame_parts(_header(2), [good, good]))
+    with pytest.raises(ValueError, match="fewer token blobs"):
+        list(lookup_frame_parts(_header(2, 2), [good]))
