@@ -21,6 +21,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -296,6 +297,9 @@ def serve(settings: Settings) -> None:
         port=port,
         log_config=None,  # configured above (app.logs)
         lifespan="on",
+        # SIGTERM: requests in flight get this long, then are cancelled; the lifespan
+        # then stops store/retrieve at their next chunk (app.state, Runtime.close).
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s),
     )
     server = uvicorn.Server(config)
     # uvicorn shuts down gracefully on SIGTERM, then raises it again; exit through

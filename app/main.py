@@ -20,6 +20,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.routing import Route
 
 from app import __version__
+from app.bodies import BodyLimit
 from app.deps import ReceiptStamp
 from app.logs import configure_logging, host_configured_logging
 from app.problems import install_error_handlers, problem_doc
@@ -27,7 +28,15 @@ from app.routes import cache, control, register
 from app.settings import Settings, unknown_variables
 from app.state import Runtime, build_runtime
 from app.telemetry import MetricsEndpoint, RequestTimer
-from contract.schemas import LookupFrameHeader, LookupRequest
+from contract.schemas import (
+    BlendMatchRequest,
+    EndSessionsRequest,
+    LookupFrameHeader,
+    LookupRequest,
+    NegotiateRequest,
+    RetrieveRequest,
+    StoreRequest,
+)
 from dataplane import streaming
 
 __all__ = ["app", "create_app"]
@@ -143,14 +152,30 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         swagger_ui_parameters=SWAGGER_UI_PARAMETERS,
     )
     install_error_handlers(app)
+    app.add_middleware(BodyLimit)  # innermost: its 413s are timed like any reply
     app.add_middleware(ReceiptStamp)  # store/retrieve deadlines count from its stamp
     app.add_middleware(RequestTimer)
-    # Every route answers malformed input with a problem body, not FastAPI's default.
-    malformed: dict[int | str, dict[str, Any]] = {422: problem_doc("Malformed request")}
+    # Every route answers malformed input, and a body over --max-body-size, with a
+    # problem body, not FastAPI's default.
+    common: dict[int | str, dict[str, Any]] = {
+        413: problem_doc("Request body larger than --max-body-size"),
+        422: problem_doc("Malformed request"),
+    }
     for router in (control.router, register.router, cache.router):
-        app.include_router(router, responses=malformed)
+        app.include_router(router, responses=common)
     app.router.routes.append(Route("/metrics", MetricsEndpoint(), methods=["GET"]))
-    _document_models(app, [LookupRequest, LookupFrameHeader])
+    _document_models(
+        app,
+        [
+            NegotiateRequest,
+            LookupRequest,
+            LookupFrameHeader,
+            StoreRequest,
+            RetrieveRequest,
+            EndSessionsRequest,
+            BlendMatchRequest,
+        ],
+    )
     return app
 
 
@@ -168,9 +193,27 @@ def _document_models(app: FastAPI, models: list[type[BaseModel]]) -> None:
         known = schema.setdefault("components", {}).setdefault("schemas", {})
         for name, definition in defs.get("$defs", {}).items():
             known.setdefault(name, definition)
+        _integer_bounds(schema)
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _integer_bounds(node: Any) -> None:
+    """Write the bounds of integer fields as integers (FastAPI writes some as 1.0)."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            for key in _BOUNDS:
+                if isinstance(node.get(key), float) and node[key].is_integer():
+                    node[key] = int(node[key])
+        for value in node.values():
+            _integer_bounds(value)
+    elif isinstance(node, list):
+        for value in node:
+            _integer_bounds(value)
 
 
 app = create_app()

@@ -26,6 +26,10 @@ Semantics (``contract.schemas`` has the wire shapes):
   ended late is aborted, never made visible (the client may have reused those
   blocks while it was copied). Retrieve checks it before writing each chunk. What
   is left once it has passed is reported failed.
+- Shutdown (``stop_transfers``): store and retrieve calls still running stop at
+  the next chunk as if their deadline had passed (a late chunk is aborted, never
+  committed), new ones are refused with 503, and the caller waits, bounded, until
+  none is left, before the pool and the registrations are released.
 - Store and retrieve items must use their registration's namespace, start on a
   chunk boundary, carry one block-id list per registered group (in registration
   order) and only block ids the registered tensors hold; otherwise the whole call
@@ -38,10 +42,11 @@ under the former and takes the latter); the pool never calls back into sessions.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Concatenate, ParamSpec, TypeVar
 
@@ -52,7 +57,13 @@ from app.blend import BlendMatcher
 from app.hashing import TokenHasher
 from app.sessions import Session, SessionManager
 from app.telemetry import Telemetry
-from contract.errors import ChunkSizeMismatch, FeatureDisabled, InvalidRequest, NotNegotiated
+from contract.errors import (
+    ChunkSizeMismatch,
+    FeatureDisabled,
+    InvalidRequest,
+    NotNegotiated,
+    Unavailable,
+)
 from contract.schemas import (
     BlendChunk,
     BlendMatchRequest,
@@ -231,6 +242,9 @@ class CacheService:
         self._copier = copier or CopyPool(1)
         self._clock = clock  # deadlines: the clock ``received_at`` stamps are taken on
         self._pool_pressure = PoolPressureLog(clock=clock)
+        self._stopping = threading.Event()
+        self._in_flight = 0
+        self._idle = threading.Condition()
         sessions.on_release = self._on_session_release
         pool.on_drop = self._on_pool_drop
         telemetry.pool_capacity_bytes.set(pool.capacity_bytes)
@@ -259,6 +273,34 @@ class CacheService:
         """Log what the pool-pressure summary still holds."""
         self._pool_pressure.flush()
 
+    def stop_transfers(self, timeout_s: float) -> int:
+        """Stop store and retrieve (see the module docstring); wait up to ``timeout_s``
+        for those in flight. Returns how many are still running (0: all stopped)."""
+        self._stopping.set()
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._in_flight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._idle.wait(left)
+            return self._in_flight
+
+    @contextlib.contextmanager
+    def _transfer(self, op: str) -> Iterator[None]:
+        """Count a store or retrieve in flight; refuse one once shutdown began."""
+        with self._idle:
+            if self._stopping.is_set():
+                raise Unavailable(f"the server is shutting down; {op} refused")
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._idle.notify_all()
+
     # ------------------------------------------------------------------ helpers
 
     def _size(self) -> int:
@@ -273,6 +315,8 @@ class CacheService:
         return (self._clock() if received_at is None else received_at) + timeout_s
 
     def _expired(self, deadline: float | None) -> bool:
+        if self._stopping.is_set():  # shutting down: as if the deadline had passed
+            return True
         return deadline is not None and self._clock() >= deadline
 
     @staticmethod
@@ -423,7 +467,7 @@ class CacheService:
         """Store the batch; ``received_at`` (monotonic) starts ``req.timeout_s``."""
         size = self._size()
         deadline = self._deadline(req.timeout_s, received_at)
-        with self.registry.acquire(req.instance_id, req.rank) as reg:
+        with self._transfer("store"), self.registry.acquire(req.instance_id, req.rank) as reg:
             items = self._check_items(reg, req.requests, size)
             results = [self._store_item(reg, it, size, deadline) for it in items]
         late = sum(r.failed_chunks for r, timed_out in results if timed_out)
@@ -506,7 +550,10 @@ class CacheService:
         """Retrieve the batch; ``received_at`` (monotonic) starts ``req.timeout_s``."""
         size = self._size()
         deadline = self._deadline(req.timeout_s, received_at)
-        with self.registry.acquire(req.instance_id, req.rank) as reg:
+        with (
+            self._transfer("retrieve"),
+            self.registry.acquire(req.instance_id, req.rank) as reg,
+        ):
             items = self._check_items(reg, req.requests, size)
             results = [self._retrieve_item(reg, it, size, deadline) for it in items]
         late = sum(len(r.failed_block_ids) for r, timed_out in results if timed_out)
@@ -522,6 +569,11 @@ class CacheService:
     ) -> None:
         """Count and log a batch that its deadline cut short (no-op otherwise)."""
         if not any(timed_out for _, timed_out in results):
+            return
+        if self._stopping.is_set():
+            logger.warning(
+                "%s for %r rank %d stopped by shutdown: %s", op, req.instance_id, req.rank, what
+            )
             return
         self._telemetry.transfer_timeouts.labels(op).inc()
         logger.warning(

@@ -5,21 +5,45 @@ operation (lookup/store/retrieve) and dropped by end-of-session or after
 ``ttl_s`` of inactivity. It caches the request's chunk keys so a growing prompt
 is hashed once, and it carries the leases the data plane holds for it. The
 number of live sessions is what forbids a chunk-size resize (docs/design.md s.2.2 rule 3).
+
+Bounded memory. A client that looks up huge prompts and never ends them would
+otherwise hold their token ids for ``ttl_s`` each, without limit. Sessions are
+charged for the token ids and keys they keep (``session_bytes``); the total is
+capped at ``max_bytes`` and the count at ``max_sessions``. A session that does
+not fit first makes room from the least recently used sessions that have been
+idle for ``evict_idle_s`` (the lease TTL: their leases have lapsed, so only a hash
+memo is lost); if that is not enough the call is refused with 503
+``SessionsFull``, and one request that alone exceeds ``max_bytes`` with 422.
+Sessions are kept in least-recently-used order, so expiry and eviction touch only
+the sessions they remove.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from app.hashing import TokenHasher
-from contract.errors import NotNegotiated
+from contract.errors import InvalidRequest, NotNegotiated, SessionsFull
 
-__all__ = ["Session", "SessionManager"]
+__all__ = ["Session", "SessionManager", "session_bytes"]
+
+KEY_BYTES = 64
+"""What one cached chunk key costs in a session (a 16-byte ``bytes`` object and
+its list slot)."""
+
+SESSION_OVERHEAD_BYTES = 512
+"""What an empty session costs (the object, its request id, its dict slot)."""
+
+
+def session_bytes(num_tokens: int, chunk_size: int) -> int:
+    """Memory a session charges for ``num_tokens`` token ids and their chunk keys."""
+    return SESSION_OVERHEAD_BYTES + 4 * num_tokens + KEY_BYTES * (num_tokens // chunk_size)
 
 
 @dataclass
@@ -31,6 +55,7 @@ class Session:
     hashed_tokens: np.ndarray = field(default_factory=lambda: np.empty(0, dtype="<i4"))
     keys: list[bytes] = field(default_factory=list)
     leases: set[bytes] = field(default_factory=set)
+    charged_bytes: int = 0
 
 
 ReleaseHook = Callable[[Session], None]
@@ -44,12 +69,21 @@ class SessionManager:
         hasher: TokenHasher,
         ttl_s: float,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        max_bytes: int = 256 << 20,
+        max_sessions: int = 65536,
+        evict_idle_s: float = 30.0,
     ) -> None:
         self._hasher = hasher
         self._ttl_s = ttl_s
         self._clock = clock
+        self._max_bytes = max_bytes
+        self._max_sessions = max_sessions
+        self._evict_idle_s = evict_idle_s
         self._chunk_size: int | None = None
-        self._sessions: dict[str, Session] = {}
+        # Least recently used first: expiry and eviction stop at the first keeper.
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
         self.on_release: ReleaseHook | None = None
         """Called for every session that ends or expires (e.g. to drop its leases)."""
@@ -74,6 +108,12 @@ class SessionManager:
         with self._lock:
             return len(self._sessions)
 
+    @property
+    def charged_bytes(self) -> int:
+        """Memory the live sessions are charged for (at most ``max_bytes``)."""
+        with self._lock:
+            return self._bytes
+
     def keys_for(
         self, request_id: str, namespace: str, cache_salt: str | None, tokens: np.ndarray
     ) -> tuple[Session, list[bytes]]:
@@ -93,9 +133,15 @@ class SessionManager:
                 cache_salt,
             ):
                 if session is not None:
-                    self._release(session)
+                    self._drop(session)
                 session = Session(request_id, namespace, cache_salt, now)
+            need = session_bytes(max(len(tokens), len(session.hashed_tokens)), size)
+            self._make_room(session, need, now)
+            if request_id not in self._sessions:
                 self._sessions[request_id] = session
+            self._sessions.move_to_end(request_id)
+            self._bytes += need - session.charged_bytes
+            session.charged_bytes = need
             session.last_used = now
             known = session.keys
             seen = session.hashed_tokens
@@ -111,7 +157,48 @@ class SessionManager:
             if len(keys) >= len(session.keys):
                 session.keys = keys
                 session.hashed_tokens = np.array(tokens[: len(keys) * size], dtype="<i4")
+            if self._sessions.get(request_id) is session:
+                kept = session_bytes(len(session.hashed_tokens), size)
+                self._bytes += kept - session.charged_bytes
+                session.charged_bytes = kept
         return session, keys
+
+    def _make_room(self, session: Session, need: int, now: float) -> None:
+        """Expire and evict (under the lock) until ``session`` fits with ``need`` bytes;
+        ``SessionsFull`` if sessions used within ``evict_idle_s`` hold the rest."""
+        if need > self._max_bytes:
+            raise InvalidRequest(
+                f"request {session.request_id!r}: its {need} bytes of token ids and keys "
+                f"exceed the server's whole session memory ({self._max_bytes} bytes); "
+                "raise --session-memory (MPCACHE_SESSION_MEMORY) or send a shorter prompt",
+                request_id=session.request_id,
+            )
+        live = self._sessions.get(session.request_id) is session
+        have = session.charged_bytes if live else 0
+
+        def fits() -> bool:
+            count = len(self._sessions) + (0 if live else 1)
+            return self._bytes - have + need <= self._max_bytes and count <= self._max_sessions
+
+        if fits():
+            return
+        self._expire_locked(now)
+        idle_before = now - self._evict_idle_s
+        while not fits():
+            oldest = next(iter(self._sessions.values()), None)
+            if oldest is None or oldest is session or oldest.last_used > idle_before:
+                break
+            self._drop(oldest)
+        if not fits():
+            raise SessionsFull(
+                f"{len(self._sessions)} live sessions hold {self._bytes} bytes of token ids "
+                f"and keys (limits: {self._max_sessions} sessions, {self._max_bytes} "
+                f"bytes), all used in the last {self._evict_idle_s:g} s; end finished "
+                "requests (POST /cache/end), retry later, or raise --session-memory / "
+                "--max-sessions",
+                sessions=len(self._sessions),
+                session_bytes=self._bytes,
+            )
 
     def get(self, request_id: str) -> Session | None:
         with self._lock:
@@ -121,25 +208,41 @@ class SessionManager:
         ended = 0
         with self._lock:
             for rid in request_ids:
-                session = self._sessions.pop(rid, None)
+                session = self._sessions.get(rid)
                 if session is not None:
-                    self._release(session)
+                    self._drop(session)
                     ended += 1
         return ended
 
     def expire(self) -> int:
-        deadline = self._clock() - self._ttl_s
         with self._lock:
-            stale = [rid for rid, s in self._sessions.items() if s.last_used < deadline]
-            for rid in stale:
-                self._release(self._sessions.pop(rid))
-        return len(stale)
+            return self._expire_locked(self._clock())
+
+    def _expire_locked(self, now: float) -> int:
+        deadline = now - self._ttl_s
+        expired = 0
+        while self._sessions:
+            oldest = next(iter(self._sessions.values()))
+            if oldest.last_used >= deadline:
+                break
+            self._drop(oldest)
+            expired += 1
+        return expired
 
     def close(self) -> None:
         with self._lock:
             for session in self._sessions.values():
                 self._release(session)
             self._sessions.clear()
+            self._bytes = 0
+
+    def _drop(self, session: Session) -> None:
+        """Remove a live session (under the lock) and release it."""
+        if self._sessions.get(session.request_id) is session:
+            del self._sessions[session.request_id]
+            self._bytes -= session.charged_bytes
+            session.charged_bytes = 0
+        self._release(session)
 
     def _release(self, session: Session) -> None:
         if self.on_release is not None and session.leases:

@@ -116,6 +116,30 @@ class Settings(BaseSettings):
         description="Threads one chunk's copy may use; 0: measured at start (the fastest "
         "of 1, 2, 4, 8 up to the core count).",
     )
+    max_body_size: ByteSize = Field(
+        "32MiB",
+        validate_default=True,
+        ge=4096,
+        description="Largest request body; a larger one is refused with 413 before it is "
+        "buffered. 32MiB holds a binary lookup of 8M tokens (64 requests of 128k) or a "
+        "JSON one of ~3M.",
+    )
+    session_memory: ByteSize = Field(
+        "256MiB",
+        validate_default=True,
+        ge=4096,
+        description="Most memory the live sessions' token ids and chunk keys may hold; "
+        "when full, sessions idle for --lease-ttl-s make room, else 503.",
+    )
+    max_sessions: int = Field(
+        65536, ge=1, description="Most live sessions (requests with cache state)."
+    )
+    shutdown_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="On SIGTERM, seconds in-flight requests get to finish; then store "
+        "and retrieve stop at the next chunk and the server exits.",
+    )
     address_file: Path | None = Field(
         None,
         description="Once listening, write the server's URL to this file (removed at "

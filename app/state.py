@@ -1,18 +1,22 @@
 """Runtime: every piece of server state, built once by the app's lifespan.
 
 Nothing lives in module globals. ``Runtime.close`` releases what the runtime owns:
-sessions (and their leases), every registered KV-cache mapping, and the pool's
-shared-memory segment (unlinked).
+it first stops store and retrieve calls still running (each stops at its next
+chunk; the wait is bounded by ``--shutdown-timeout-s``), then sessions (and their
+leases), every registered KV-cache mapping, the body decoder's helper process,
+and the pool's shared-memory segment (unlinked).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from app.bindings import Binding, BindingPipeline
 from app.blend import BlendMatcher
+from app.bodies import BodyParser
 from app.chunk_size import ChunkSizeAuthority
 from app.coordinator import Coordinator, StandaloneCoordinator
 from app.hashing import TokenHasher
@@ -29,6 +33,8 @@ from dataplane.segments import sweep_stale_segments
 from dataplane.transfer import CopyPool, configure_copy_threads, measure_copy_threads
 
 __all__ = ["BINDING_ORDER", "Runtime", "build_runtime"]
+
+logger = logging.getLogger(__name__)
 
 
 BINDING_ORDER = ("token_hasher", "session_manager", "blend_matcher", "telemetry", "coordinator")
@@ -50,6 +56,7 @@ class Runtime:
     registry: Registry
     cache: CacheService
     copier: CopyPool
+    parser: BodyParser = field(default_factory=BodyParser)
     copy_rates: dict[int, float] = field(default_factory=dict)
     """GB/s per thread count measured at start (empty when --copy-threads was given)."""
     closed: bool = field(default=False)
@@ -62,7 +69,11 @@ class Runtime:
         if self.closed:
             return
         self.closed = True
+        running = self.cache.stop_transfers(self.settings.shutdown_timeout_s)
+        if running:
+            logger.warning("%d store/retrieve call(s) still copying at shutdown", running)
         try:
+            self.parser.close()
             self.cache.close()
             self.sessions.close()
             self.registry.close()
@@ -80,7 +91,13 @@ def build_runtime(settings: Settings) -> Runtime:
             "yet; unset it to run standalone"
         )
     hasher = TokenHasher()
-    sessions = SessionManager(hasher, settings.session_ttl_s)
+    sessions = SessionManager(
+        hasher,
+        settings.session_ttl_s,
+        max_bytes=int(settings.session_memory),
+        max_sessions=settings.max_sessions,
+        evict_idle_s=settings.lease_ttl_s,
+    )
     blend = BlendMatcher(settings.enable_blend)
     telemetry = Telemetry()
     coordinator = StandaloneCoordinator(boot_id)

@@ -11,6 +11,7 @@ no web imports so pure modules can raise these too.
     │   └── SegmentAccessError        422  a shm segment that cannot be opened or mapped
     ├── NotFound                      404  unknown registration, segment, ...
     │   └── SegmentNotFound           404  no shm segment of that name
+    ├── PayloadTooLarge               413  a request body over --max-body-size
     ├── UnsupportedMediaType          415  a body in a form the route does not take
     ├── Conflict                      409
     │   ├── IncompatibleAlignment     409  final size not a multiple of alignment
@@ -21,6 +22,7 @@ no web imports so pure modules can raise these too.
     └── Unavailable                   503  + Retry-After
         ├── BindingFailed             503  a chunk-size binding failed; retry resumes
         ├── PoolExhausted             503  no room in the cache pool
+        ├── SessionsFull              503  session memory full of recently used sessions
         └── SharedMemoryExhausted     503  /dev/shm cannot hold a new segment
 """
 
@@ -39,10 +41,12 @@ __all__ = [
     "MPCacheError",
     "NotFound",
     "NotNegotiated",
+    "PayloadTooLarge",
     "PoolExhausted",
     "ResizeAfterSessions",
     "SegmentAccessError",
     "SegmentNotFound",
+    "SessionsFull",
     "SharedMemoryExhausted",
     "Unavailable",
     "UnsupportedMediaType",
@@ -88,6 +92,12 @@ class NotFound(MPCacheError):
 class SegmentNotFound(NotFound):
     title = "Shared-memory segment not found"
     slug = "segment-not-found"
+
+
+class PayloadTooLarge(MPCacheError):
+    status = 413
+    title = "Request body too large"
+    slug = "payload-too-large"
 
 
 class UnsupportedMediaType(MPCacheError):
@@ -145,6 +155,12 @@ class BindingFailed(Unavailable):
 class PoolExhausted(Unavailable):
     title = "Cache pool exhausted"
     slug = "pool-exhausted"
+
+
+class SessionsFull(Unavailable):
+    title = "Session memory full"
+    slug = "sessions-full"
+    retry_after_s = 5
 
 
 class SharedMemoryExhausted(Unavailable):

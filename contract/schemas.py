@@ -24,10 +24,19 @@ Conventions (docs/design.md s.4, s.5):
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    StrictInt,
+    model_validator,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 from contract.tokens import decode_tokens
 
@@ -362,6 +371,21 @@ class TokenSpan(_Body):
 
     tokens: list[TokenId] | None = None
     tokens_b64: str | None = None
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        # What ``_exactly_one`` enforces: one of the two is given and not null.
+        schema = handler.resolve_ref_schema(handler(core_schema))
+        one_of: list[dict[str, Any]] = [
+            {"required": ["tokens"], "properties": {"tokens": {"type": "array"}}},
+            {"required": ["tokens_b64"], "properties": {"tokens_b64": {"type": "string"}}},
+        ]
+        one_of[0]["properties"]["tokens_b64"] = {"type": "null"}
+        one_of[1]["properties"]["tokens"] = {"type": "null"}
+        schema["oneOf"] = one_of
+        return schema
 
     @model_validator(mode="after")
     def _exactly_one(self) -> TokenSpan:

@@ -1,13 +1,14 @@
 """Cache operations, batched per engine step: lookup, store, retrieve, end, blend match.
 
-Where each runs: ``lookup`` and ``end`` are ``async`` and run on the event loop (no
-thread-pool hop): a lookup parses its body itself (JSON, or the binary form of
-``contract.frames``, served item by item as it arrives), hashes and asks the pool,
-all cheap; only more than ``INLINE_LOOKUP_TOKENS`` tokens at once (a JSON lookup, or
-one item of a binary one) move to the thread pool, so that /health never waits long
-behind them. ``store``, ``retrieve`` and ``blend/match`` are plain functions, which
-FastAPI runs in its thread pool: their copies (and blend's hashing of whole prompts)
-never block the event loop.
+Where each runs: every route is ``async`` and reads its own body (``app.bodies``:
+JSON bodies over ``INLINE_BODY_BYTES`` are decoded in a helper process, never on
+the event loop). ``lookup`` and ``end`` then run on the event loop (no thread-pool
+hop): a lookup (JSON, or the binary form of ``contract.frames``, served item by item
+as it arrives) hashes and asks the pool, all cheap; only more than
+``INLINE_LOOKUP_TOKENS`` tokens at once (a JSON lookup, or one item of a binary one)
+move to the thread pool, so that /health never waits long behind them. ``store``,
+``retrieve`` and ``blend/match`` run in the thread pool: their copies (and blend's
+hashing of whole prompts) never block the event loop.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from app.bodies import json_body_doc, read_json
 from app.deps import ReceivedAtDep, RuntimeDep
 from app.problems import problem_doc
 from app.state import Runtime
@@ -44,10 +46,13 @@ __all__ = ["router"]
 router = APIRouter(prefix="/cache", tags=["cache"])
 
 _NOT_NEGOTIATED: dict[int | str, dict[str, Any]] = {409: problem_doc("No final chunk size yet")}
+_JSON_ONLY: dict[int | str, dict[str, Any]] = {415: problem_doc("A body that is not JSON")}
 _TRANSFER_ERRORS: dict[int | str, dict[str, Any]] = {
     **_NOT_NEGOTIATED,
+    **_JSON_ONLY,
     404: problem_doc("No registration for this instance and rank"),
     422: problem_doc("Malformed request, or an item that cannot be served"),
+    503: problem_doc("The server is shutting down, or the body decoder restarted; retry"),
 }
 
 
@@ -110,25 +115,27 @@ async def _lookup_frame(request: Request, runtime: Runtime) -> LookupResponse:
     return batch.finish()
 
 
-def _lookup_items(media_type: str, raw: bytes) -> Items:
-    """The items of a JSON lookup body; malformed input is a 422, an unknown form a 415."""
-    if media_type in ("", "application/json") or media_type.endswith("+json"):
+def _lookup_items(req: LookupRequest) -> Items:
+    """The items of a JSON lookup with their token ids; malformed tokens are a 422."""
+    items: Items = []
+    for item in req.requests:
         try:
-            req = LookupRequest.model_validate_json(raw)
-        except ValidationError as exc:
-            raise RequestValidationError(exc.errors()) from exc
-        items: Items = []
-        for item in req.requests:
-            try:
-                items.append((item, item.token_array()))
-            except ValueError as exc:
-                raise _malformed(item.request_id, f"bad tokens: {exc}") from exc
-        return items
-    raise UnsupportedMediaType(
-        f"a lookup body is application/json or {LOOKUP_FRAME_MEDIA_TYPE} (the binary "
-        f"form of contract/frames.py), not {media_type or 'untyped'}",
-        media_type=media_type,
+            items.append((item, item.token_array()))
+        except ValueError as exc:
+            raise _malformed(item.request_id, f"bad tokens: {exc}") from exc
+    return items
+
+
+def _num_tokens(req: LookupRequest) -> int:
+    """How many token ids the lookup carries (base64 counted from its length)."""
+    return sum(
+        len(item.tokens) if item.tokens is not None else len(item.tokens_b64 or "") * 3 // 16
+        for item in req.requests
     )
+
+
+def _serve_json_lookup(runtime: Runtime, req: LookupRequest) -> LookupResponse:
+    return runtime.cache.lookup_tokens(_lookup_items(req))
 
 
 @router.post(
@@ -147,6 +154,7 @@ def _lookup_items(media_type: str, raw: bytes) -> Items:
         **_NOT_NEGOTIATED,
         415: problem_doc("A body that is neither JSON nor the binary form"),
         422: problem_doc("Malformed request"),
+        503: problem_doc("Session memory full, or the body decoder restarted; retry"),
     },
     openapi_extra=_LOOKUP_BODY,
 )
@@ -154,12 +162,18 @@ async def lookup(request: Request, runtime: RuntimeDep) -> Response:
     media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media_type == LOOKUP_FRAME_MEDIA_TYPE:
         reply = await _lookup_frame(request, runtime)
-    else:
-        items = _lookup_items(media_type, await request.body())
-        if sum(len(tokens) for _, tokens in items) <= INLINE_LOOKUP_TOKENS:
-            reply = runtime.cache.lookup_tokens(items)
+    elif media_type in ("", "application/json") or media_type.endswith("+json"):
+        req = await read_json(request, LookupRequest)
+        if _num_tokens(req) <= INLINE_LOOKUP_TOKENS:
+            reply = _serve_json_lookup(runtime, req)
         else:
-            reply = await run_in_threadpool(runtime.cache.lookup_tokens, items)
+            reply = await run_in_threadpool(_serve_json_lookup, runtime, req)
+    else:
+        raise UnsupportedMediaType(
+            f"a lookup body is application/json or {LOOKUP_FRAME_MEDIA_TYPE} (the binary "
+            f"form of contract/frames.py), not {media_type or 'untyped'}",
+            media_type=media_type,
+        )
     return Response(reply.model_dump_json(), media_type="application/json")
 
 
@@ -175,9 +189,11 @@ async def lookup(request: Request, runtime: RuntimeDep) -> Response:
         "arrived (a copy that ends late is discarded); the rest count as `failed_chunks`."
     ),
     responses=_TRANSFER_ERRORS,
+    openapi_extra=json_body_doc(StoreRequest),
 )
-def store(body: StoreRequest, runtime: RuntimeDep, received: ReceivedAtDep) -> StoreResponse:
-    return runtime.cache.store(body, received_at=received)
+async def store(request: Request, runtime: RuntimeDep, received: ReceivedAtDep) -> StoreResponse:
+    body = await read_json(request, StoreRequest)
+    return await run_in_threadpool(lambda: runtime.cache.store(body, received_at=received))
 
 
 @router.post(
@@ -193,11 +209,13 @@ def store(body: StoreRequest, runtime: RuntimeDep, received: ReceivedAtDep) -> S
         "long has passed since the request arrived; the blocks left are listed as failed."
     ),
     responses=_TRANSFER_ERRORS,
+    openapi_extra=json_body_doc(RetrieveRequest),
 )
-def retrieve(
-    body: RetrieveRequest, runtime: RuntimeDep, received: ReceivedAtDep
+async def retrieve(
+    request: Request, runtime: RuntimeDep, received: ReceivedAtDep
 ) -> RetrieveResponse:
-    return runtime.cache.retrieve(body, received_at=received)
+    body = await read_json(request, RetrieveRequest)
+    return await run_in_threadpool(lambda: runtime.cache.retrieve(body, received_at=received))
 
 
 @router.post(
@@ -205,9 +223,11 @@ def retrieve(
     response_model=EndSessionsResponse,
     summary="End request sessions",
     description="Drop the sessions of finished requests and release their leases.",
+    responses={**_JSON_ONLY, 503: problem_doc("The body decoder restarted; retry")},
+    openapi_extra=json_body_doc(EndSessionsRequest),
 )
-async def end(body: EndSessionsRequest, runtime: RuntimeDep) -> EndSessionsResponse:
-    return runtime.cache.end(body)
+async def end(request: Request, runtime: RuntimeDep) -> EndSessionsResponse:
+    return runtime.cache.end(await read_json(request, EndSessionsRequest))
 
 
 @router.post(
@@ -220,9 +240,13 @@ async def end(body: EndSessionsRequest, runtime: RuntimeDep) -> EndSessionsRespo
         "any position. Needs `--enable-blend`."
     ),
     responses={
+        **_JSON_ONLY,
         409: problem_doc("Blend matcher disabled, or no final chunk size"),
         422: problem_doc("Malformed request"),
+        503: problem_doc("The body decoder restarted; retry"),
     },
+    openapi_extra=json_body_doc(BlendMatchRequest),
 )
-def blend_match(body: BlendMatchRequest, runtime: RuntimeDep) -> BlendMatchResponse:
-    return runtime.cache.blend_match(body)
+async def blend_match(request: Request, runtime: RuntimeDep) -> BlendMatchResponse:
+    body = await read_json(request, BlendMatchRequest)
+    return await run_in_threadpool(runtime.cache.blend_match, body)

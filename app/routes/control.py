@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 
 from app import __version__
+from app.bodies import json_body_doc, read_json
 from app.deps import RuntimeDep
 from app.problems import problem_doc
+from app.state import Runtime
 from contract.schemas import (
     ChunkSizeResponse,
     HealthResponse,
@@ -30,11 +33,19 @@ router = APIRouter(tags=["control"])
     ),
     responses={
         409: problem_doc("Incompatible alignment, or resize after sessions"),
+        415: problem_doc("A body that is not JSON"),
         422: problem_doc("Malformed or out-of-range input"),
         503: problem_doc("A binding failed; retry (resumes), see Retry-After"),
     },
+    openapi_extra=json_body_doc(NegotiateRequest),
 )
-def negotiate(body: NegotiateRequest, runtime: RuntimeDep) -> NegotiateResponse:
+async def negotiate(request: Request, runtime: RuntimeDep) -> NegotiateResponse:
+    body = await read_json(request, NegotiateRequest)
+    # The authority's lock may wait for a binding: off the event loop.
+    return await run_in_threadpool(_negotiate, body, runtime)
+
+
+def _negotiate(body: NegotiateRequest, runtime: Runtime) -> NegotiateResponse:
     who = {"model": body.model, "role": body.role, "instance": body.instance_id}
     caller = " ".join(f"{k}={v}" for k, v in who.items() if v)
     size = runtime.chunk_size.negotiate(body.required_alignment, caller=caller)
