@@ -19,6 +19,13 @@ chunk.
 Leases are held per holder (a request id) with a deadline, so a lease that its
 session never released (a crashed client) lapses on its own.
 
+Bounded eviction cost: one eviction examines at most ``MAX_EVICTION_SCAN``
+entries. Entries it passes over because they are pinned or leased move to the
+most recently used end, so with every entry leased a store fails fast (no room)
+instead of walking the whole LRU, and a later eviction starts past them.
+Leased entries were just looked up, and pinned ones are being read: either way
+recently used.
+
 Thread-safe: one lock guards the index; copies run outside it. Callbacks
 (``on_drop``) are called after the lock is released.
 """
@@ -38,11 +45,14 @@ import torch
 
 from dataplane.segments import Segment
 
-__all__ = ["PRESENT", "Entry", "PageAllocator", "Pool", "PoolStats"]
+__all__ = ["MAX_EVICTION_SCAN", "PRESENT", "Entry", "PageAllocator", "Pool", "PoolStats"]
 
 logger = logging.getLogger(__name__)
 
 PRESENT: Final = "present"
+
+MAX_EVICTION_SCAN: Final = 256
+"""Most entries one eviction examines (see the module docstring)."""
 
 DropReason = Literal["evicted", "replaced", "closed"]
 
@@ -424,7 +434,8 @@ class Pool:
         """Evict entries so that ``num_pages`` contiguous pages are free; or evict nothing.
 
         The eviction is planned before anything is evicted. Evictable entries (not
-        pinned, not leased) are freed one at a time, least recently used first, in a
+        pinned, not leased) among the ``MAX_EVICTION_SCAN`` least recently used are
+        freed one at a time, oldest first, in a
         copy of the page map, until a free run of ``num_pages`` pages forms: of all
         windows that could be freed, those in that run have the oldest newest
         victim. Then only the entries under the window of that run that holds the
@@ -434,15 +445,21 @@ class Pool:
         now = self._clock()
         scratch = self._alloc.copy()
         freed: list[Entry] = []
+        held: list[tuple[bytes, int]] = []
         run: tuple[int, int] | None = None
-        for entry in self._lru.values():
+        for examined, (ident, entry) in enumerate(self._lru.items()):
+            if examined == MAX_EVICTION_SCAN:
+                break
             if entry.pins or self._leased(entry.key, now):
+                held.append(ident)
                 continue
             freed.append(entry)
             run_start, run_len = scratch.free(entry.first_page, entry.num_pages)
             if run_len >= num_pages:
                 run = run_start, run_start + run_len
                 break
+        for ident in held:  # the next eviction starts past them
+            self._lru.move_to_end(ident)
         if run is None:
             return None
         run_start, run_end = run

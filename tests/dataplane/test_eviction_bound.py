@@ -1,0 +1,79 @@
+"""Eviction cost is bounded when (nearly) every entry is leased (issue 8, item 4)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from contract.shm_naming import segment_name
+from dataplane.pool import MAX_EVICTION_SCAN, Entry, Pool
+
+PAGE = 4096
+ENTRIES = MAX_EVICTION_SCAN + 300  # ~2.2 MiB of /dev/shm
+
+
+@pytest.fixture
+def pool() -> Iterator[Pool]:
+    p = Pool.create(segment_name("pool"), ENTRIES * PAGE, PAGE)
+    try:
+        for i in range(ENTRIES):
+            entry = p.begin_store(i.to_bytes(4, "little"), 0, nbytes=PAGE, layout=b"L", present=1)
+            assert isinstance(entry, Entry)
+            p.commit(entry)
+        yield p
+    finally:
+        p.close()
+
+
+def _keys(first: int, last: int) -> list[bytes]:
+    return [i.to_bytes(4, "little") for i in range(first, last)]
+
+
+def _count_examined(pool: Pool, monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Record every entry an eviction examines (each unpinned one is lease-checked)."""
+    seen: list[bytes] = []
+    original = pool._leased
+
+    def leased(key: bytes, now: float) -> bool:
+        seen.append(key)
+        return original(key, now)
+
+    monkeypatch.setattr(pool, "_leased", leased)
+    return seen
+
+
+def test_a_store_into_a_full_all_leased_pool_fails_after_a_bounded_scan(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every entry is leased, one request per lookup call (as a burst of requests).
+    for i in range(0, ENTRIES, 64):
+        keys = _keys(i, min(i + 64, ENTRIES))
+        assert pool.lookup(keys, 1, holder=f"r{i}", lease_ttl_s=3600) == len(keys)
+    examined = _count_examined(pool, monkeypatch)
+    assert pool.begin_store(b"new", 0, nbytes=PAGE, layout=b"L", present=1) is None
+    assert 0 < len(examined) <= MAX_EVICTION_SCAN  # was: every entry, each time
+    examined.clear()
+    assert pool.begin_store(b"new2", 0, nbytes=PAGE, layout=b"L", present=1) is None
+    assert 0 < len(examined) <= MAX_EVICTION_SCAN
+    assert pool.stats().entries == ENTRIES  # nothing leased was evicted
+
+
+def test_evictable_entries_behind_many_leased_ones_are_still_reached(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    leased = _keys(0, MAX_EVICTION_SCAN + 50)
+    assert pool.lookup(leased, 1, holder="long-prompt", lease_ttl_s=3600) == len(leased)
+    # Touch the others after: the leased entries are now the least recently used.
+    others = _keys(len(leased), ENTRIES)
+    assert pool.lookup(others, 1) == len(others)
+    examined = _count_examined(pool, monkeypatch)
+    stored = None
+    for attempt in range(3):  # a failed scan moves what it passed over out of the way
+        stored = pool.begin_store(b"new", 0, nbytes=PAGE, layout=b"L", present=1)
+        if stored is not None:
+            break
+    assert isinstance(stored, Entry), f"no room after {attempt + 1} attempts"
+    assert len(examined) <= 2 * MAX_EVICTION_SCAN
+    pool.abort(stored)
+    assert pool.lookup(leased, 1) == len(leased)  # every leased entry survived
