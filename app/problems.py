@@ -19,6 +19,9 @@ logger = logging.getLogger(__name__)
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 
+FASTAPI_BODY_ERROR = "There was an error parsing the body"
+"""The detail of the 400 FastAPI raises when it cannot decode a body it parses."""
+
 
 def problem_doc(description: str) -> dict[str, Any]:
     """OpenAPI entry for an error reply (a route's ``responses={status: ...}``)."""
@@ -75,6 +78,16 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 400 and exc.detail == FASTAPI_BODY_ERROR:
+            # FastAPI's own body parsing (routes that take a model argument) fails so
+            # on bytes that are not UTF-8: malformed input, like every other one.
+            return problem_response(
+                422,
+                "Malformed request",
+                "malformed-request",
+                "body: the body is not JSON text (it must be UTF-8)",
+                errors=[{"loc": [], "msg": "not UTF-8 JSON", "type": "json_invalid"}],
+            )
         return problem_response(
             exc.status_code,
             "Not found" if exc.status_code == 404 else "HTTP error",
