@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     GetJsonSchemaHandler,
@@ -87,11 +88,21 @@ BindingStatus = Literal["done", "pending", "failed", "disabled"]
 MAX_WORLD_SIZE = 4096
 """Most ranks one server serves; bounds the work a lookup or registration can ask for."""
 
-PositiveInt = Annotated[StrictInt, Field(ge=1)]
-NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
-TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31)]
-BlockId = Annotated[StrictInt, Field(ge=0, lt=2**62)]
-WorldSize = Annotated[StrictInt, Field(ge=1, le=MAX_WORLD_SIZE)]
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts ``3.0`` as an integer, so the server takes it as 3; strings,
+    booleans and fractions stay refused (``StrictInt``)."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+_INTEGRAL = BeforeValidator(_integral)
+PositiveInt = Annotated[StrictInt, Field(ge=1), _INTEGRAL]
+NonNegativeInt = Annotated[StrictInt, Field(ge=0), _INTEGRAL]
+TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31), _INTEGRAL]
+BlockId = Annotated[StrictInt, Field(ge=0, lt=2**62), _INTEGRAL]
+WorldSize = Annotated[StrictInt, Field(ge=1, le=MAX_WORLD_SIZE), _INTEGRAL]
 
 
 class _Body(BaseModel):
