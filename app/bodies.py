@@ -13,9 +13,10 @@ takes longer than its timeout (2 s by default). Two things used to stall it:
   (pydantic-core and ``json`` never release it), so a thread pool does not help:
   a 24 MB list of token ids held it for ~0.9 s on the 2-core VM. Bodies larger
   than ``INLINE_BODY_BYTES`` are therefore decoded in a helper process
-  (``BodyParser``), which sends back a compact model: token lists as
-  ``tokens_b64`` text and block-id lists as int64 arrays, both a memcpy to
-  unpickle. Smaller bodies (at most ~10 ms of parsing) are decoded in place.
+  (``BodyParser``), which sends back a compact model: token ids (JSON list or
+  base64) already decoded into int32 arrays (``TokenSpan.with_decoded``) and
+  block-id lists as int64 arrays, each a memcpy to unpickle. Smaller bodies (at
+  most ~10 ms of parsing) are decoded in place.
 
 Every route that takes a JSON body reads it with ``read_json``: malformed JSON,
 bytes that are not UTF-8, and a body that does not fit the model are each a 422
@@ -25,7 +26,6 @@ problem, another media type a 415.
 from __future__ import annotations
 
 import asyncio
-import base64
 import concurrent.futures
 import ctypes
 import multiprocessing
@@ -132,10 +132,13 @@ def _compact(value: Any) -> Any:
     send back); other fields unchanged. No validation runs again."""
     if isinstance(value, BaseModel):
         update: dict[str, Any] = {}
-        if isinstance(value, TokenSpan) and value.tokens is not None:
-            packed = np.asarray(value.tokens, dtype="<i4").tobytes()
-            update["tokens"] = None
-            update["tokens_b64"] = base64.b64encode(packed).decode("ascii")
+        if isinstance(value, TokenSpan):
+            try:
+                decoded = value.token_array()
+            except ValueError:
+                decoded = None  # bad base64: the route refuses it, as for a small body
+            if decoded is not None:
+                value = value.with_decoded(decoded)
         if isinstance(value, TransferItem):
             update["block_ids"] = [np.asarray(ids, dtype=np.int64) for ids in value.block_ids]
         for name in type(value).model_fields:

@@ -33,6 +33,7 @@ from pydantic import (
     ConfigDict,
     Field,
     GetJsonSchemaHandler,
+    PrivateAttr,
     StrictInt,
     model_validator,
 )
@@ -382,6 +383,10 @@ class TokenSpan(_Body):
 
     tokens: list[TokenId] | None = None
     tokens_b64: str | None = None
+    _decoded: np.ndarray | None = PrivateAttr(None)
+    """The token ids, already decoded: set (with both fields then None) by the
+    server's body decoder, which parses large bodies in a helper process and hands
+    the ids back as an array (``app.bodies``)."""
 
     @classmethod
     def __get_pydantic_json_schema__(
@@ -404,8 +409,24 @@ class TokenSpan(_Body):
             raise ValueError("give exactly one of 'tokens' or 'tokens_b64'")
         return self
 
+    def with_decoded(self, tokens: np.ndarray) -> TokenSpan:
+        """A copy carrying ``tokens`` (this span's ids, decoded) instead of its fields."""
+        copy = self.model_copy(update={"tokens": None, "tokens_b64": None})
+        copy._decoded = tokens
+        return copy
+
+    def num_tokens(self) -> int:
+        """How many token ids this span carries (base64 counted from its length)."""
+        if self._decoded is not None:
+            return len(self._decoded)
+        if self.tokens is not None:
+            return len(self.tokens)
+        return len(self.tokens_b64 or "") * 3 // 4 // 4
+
     def token_array(self) -> np.ndarray:
         """The tokens as an int32 numpy array (raises ValueError if malformed)."""
+        if self._decoded is not None:
+            return self._decoded
         if self.tokens is not None:
             return np.asarray(self.tokens, dtype=np.int32)  # bounded by TokenId
         return decode_tokens(self.tokens_b64 or "")

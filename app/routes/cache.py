@@ -128,10 +128,7 @@ def _lookup_items(req: LookupRequest) -> Items:
 
 def _num_tokens(req: LookupRequest) -> int:
     """How many token ids the lookup carries (base64 counted from its length)."""
-    return sum(
-        len(item.tokens) if item.tokens is not None else len(item.tokens_b64 or "") * 3 // 16
-        for item in req.requests
-    )
+    return sum(item.num_tokens() for item in req.requests)
 
 
 def _serve_json_lookup(runtime: Runtime, req: LookupRequest) -> LookupResponse:
