@@ -46,12 +46,13 @@ logger = logging.getLogger(__name__)
 DESCRIPTION = """\
 External KV-cache server for vLLM. The connector negotiates one chunk size at
 startup (`POST /negotiate`), workers register their KV caches, and each engine step
-moves whole chunks through shared memory. Every error body is problem-style JSON.
+moves whole chunks through shared memory. Every error body is problem-style JSON;
+a body over `--max-body-size` is refused with 413.
 
 **Trying it here.** On a fresh server, run the examples in this order: `GET /health`,
 `POST /negotiate` (selects chunk size 288: alignment 96 over the default minimum 256),
 `GET /chunk-size`, `POST /cache/lookup` (0 hit tokens: nothing is cached yet),
-`POST /cache/end`. `POST /register` needs a vLLM worker's live shared-memory segment
+`POST /cache/blend/match` (needs `--enable-blend`; 409 otherwise), `POST /cache/end`. `POST /register` needs a vLLM worker's live shared-memory segment
 or CUDA IPC handle, and store and retrieve need a registration, so their examples show
 the shape of a call and answer with a problem body here.
 
