@@ -52,9 +52,10 @@ a body over `--max-body-size` is refused with 413.
 **Trying it here.** On a fresh server, run the examples in this order: `GET /health`,
 `POST /negotiate` (selects chunk size 288: alignment 96 over the default minimum 256),
 `GET /chunk-size`, `POST /cache/lookup` (0 hit tokens: nothing is cached yet),
-`POST /cache/blend/match` (needs `--enable-blend`; 409 otherwise), `POST /cache/end`. `POST /register` needs a vLLM worker's live shared-memory segment
-or CUDA IPC handle, and store and retrieve need a registration, so their examples show
-the shape of a call and answer with a problem body here.
+`POST /cache/blend/match` (needs `--enable-blend`; 409 otherwise), `POST /cache/end`.
+`POST /register` needs a vLLM worker's live shared-memory segment or CUDA IPC
+handle, and store and retrieve need a registration, so their examples show the shape
+of a call and answer with a problem body here.
 
 Prometheus metrics: `GET /metrics` (text format; not described in this schema).
 """
