@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ByteSize, Field, field_validator, model_validator
+from pydantic import ByteSize, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contract import DEFAULT_PORT
@@ -115,6 +115,18 @@ class Settings(BaseSettings):
         le=256,
         description="Threads one chunk's copy may use; 0: measured at start (the fastest "
         "of 1, 2, 4, 8 up to the core count).",
+    )
+    api_token: SecretStr | None = Field(
+        None,
+        description="Bearer token every mutating route (negotiate, register, cache "
+        "operations) requires (`Authorization: Bearer ...`); unset: none. /health, "
+        "/metrics, /chunk-size and /docs stay open. The connector sends mpcache.api_token.",
+    )
+    register_socket: Path | None = Field(
+        None,
+        description="Unix socket where workers pass their sealed KV-cache memfds (mode "
+        "0600); unset: register.sock in a new private directory under $XDG_RUNTIME_DIR "
+        "or /tmp. GET /register tells the connector where it is.",
     )
     address_file: Path | None = Field(
         None,

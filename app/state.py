@@ -1,8 +1,8 @@
 """Runtime: every piece of server state, built once by the app's lifespan.
 
 Nothing lives in module globals. ``Runtime.close`` releases what the runtime owns:
-sessions (and their leases), every registered KV-cache mapping, and the pool's
-shared-memory segment (unlinked).
+sessions (and their leases), the registration socket, every registered KV-cache
+mapping, and the pool's shared-memory segment (unlinked).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from app.settings import Settings
 from app.telemetry import Telemetry
 from contract.errors import InvalidRequest
 from contract.shm_naming import segment_name
+from dataplane.fdgate import FdGate, default_socket_path
 from dataplane.pool import Pool
 from dataplane.registry import Registry
 from dataplane.segments import sweep_stale_segments
@@ -50,6 +51,7 @@ class Runtime:
     registry: Registry
     cache: CacheService
     copier: CopyPool
+    gate: FdGate
     copy_rates: dict[int, float] = field(default_factory=dict)
     """GB/s per thread count measured at start (empty when --copy-threads was given)."""
     closed: bool = field(default=False)
@@ -63,6 +65,7 @@ class Runtime:
             return
         self.closed = True
         try:
+            self.gate.close()
             self.cache.close()
             self.sessions.close()
             self.registry.close()
@@ -106,11 +109,23 @@ def build_runtime(settings: Settings) -> Runtime:
         threads, copy_rates = measure_copy_threads()
     configure_copy_threads(threads)
     copier = CopyPool(threads)
-    # Pools of crashed servers and KV caches of crashed workers (each removal is logged).
+    # Pools of crashed servers (each removal is logged).
     sweep_stale_segments()
-    pool = Pool.create(segment_name("pool"), settings.pool_size, settings.pool_page_size)
+    registry = Registry()
+    socket_path = settings.register_socket or default_socket_path(settings.port)
+    gate = FdGate(
+        socket_path,
+        on_disconnect=registry.release_connection,
+        owns_directory=settings.register_socket is None,
+    )
     try:
-        registry = Registry()
+        pool = Pool.create(segment_name("pool"), settings.pool_size, settings.pool_page_size)
+    except BaseException:
+        gate.close()
+        copier.close()
+        raise
+    try:
+        gate.start()
         cache = CacheService(
             hasher=hasher,
             sessions=sessions,
@@ -121,6 +136,7 @@ def build_runtime(settings: Settings) -> Runtime:
             final_size=lambda: authority.final_size,
             lease_ttl_s=settings.lease_ttl_s,
             copier=copier,
+            gate=gate,
         )
         if settings.pool_prefault:
             pool.start_prefault()
@@ -139,9 +155,11 @@ def build_runtime(settings: Settings) -> Runtime:
             registry=registry,
             cache=cache,
             copier=copier,
+            gate=gate,
             copy_rates=copy_rates,
         )
     except BaseException:
+        gate.close()
         copier.close()
         pool.close()
         raise

@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from app.deps import ReceivedAtDep, RuntimeDep
+from app.deps import GUARDED, GUARDED_RESPONSES, ReceivedAtDep, RegistrationTokenDep, RuntimeDep
 from app.problems import problem_doc
 from app.state import Runtime
 from contract.errors import UnsupportedMediaType
@@ -46,6 +46,7 @@ router = APIRouter(prefix="/cache", tags=["cache"])
 _NOT_NEGOTIATED: dict[int | str, dict[str, Any]] = {409: problem_doc("No final chunk size yet")}
 _TRANSFER_ERRORS: dict[int | str, dict[str, Any]] = {
     **_NOT_NEGOTIATED,
+    403: problem_doc("Not this registration's token"),
     404: problem_doc("No registration for this instance and rank"),
     422: problem_doc("Malformed request, or an item that cannot be served"),
 }
@@ -133,6 +134,7 @@ def _lookup_items(media_type: str, raw: bytes) -> Items:
 
 @router.post(
     "/lookup",
+    dependencies=GUARDED,
     response_model=LookupResponse,
     summary="How many leading tokens are cached",
     description=(
@@ -144,6 +146,7 @@ def _lookup_items(media_type: str, raw: bytes) -> Items:
         "connector sends."
     ),
     responses={
+        **GUARDED_RESPONSES,
         **_NOT_NEGOTIATED,
         415: problem_doc("A body that is neither JSON nor the binary form"),
         422: problem_doc("Malformed request"),
@@ -165,6 +168,7 @@ async def lookup(request: Request, runtime: RuntimeDep) -> Response:
 
 @router.post(
     "/store",
+    dependencies=GUARDED,
     response_model=StoreResponse,
     summary="Copy whole chunks from a registered KV cache into the cache",
     description=(
@@ -174,14 +178,20 @@ async def lookup(request: Request, runtime: RuntimeDep) -> Response:
         "`timeout_s`, no chunk is committed once that long has passed since the request "
         "arrived (a copy that ends late is discarded); the rest count as `failed_chunks`."
     ),
-    responses=_TRANSFER_ERRORS,
+    responses={**GUARDED_RESPONSES, **_TRANSFER_ERRORS},
 )
-def store(body: StoreRequest, runtime: RuntimeDep, received: ReceivedAtDep) -> StoreResponse:
-    return runtime.cache.store(body, received_at=received)
+def store(
+    body: StoreRequest,
+    runtime: RuntimeDep,
+    received: ReceivedAtDep,
+    token: RegistrationTokenDep = None,
+) -> StoreResponse:
+    return runtime.cache.store(body, received_at=received, token=token)
 
 
 @router.post(
     "/retrieve",
+    dependencies=GUARDED,
     response_model=RetrieveResponse,
     summary="Copy cached chunks into a registered KV cache",
     description=(
@@ -192,19 +202,24 @@ def store(body: StoreRequest, runtime: RuntimeDep, received: ReceivedAtDep) -> S
         "miss, never partial data. With `timeout_s`, no chunk's copy starts once that "
         "long has passed since the request arrived; the blocks left are listed as failed."
     ),
-    responses=_TRANSFER_ERRORS,
+    responses={**GUARDED_RESPONSES, **_TRANSFER_ERRORS},
 )
 def retrieve(
-    body: RetrieveRequest, runtime: RuntimeDep, received: ReceivedAtDep
+    body: RetrieveRequest,
+    runtime: RuntimeDep,
+    received: ReceivedAtDep,
+    token: RegistrationTokenDep = None,
 ) -> RetrieveResponse:
-    return runtime.cache.retrieve(body, received_at=received)
+    return runtime.cache.retrieve(body, received_at=received, token=token)
 
 
 @router.post(
     "/end",
+    dependencies=GUARDED,
     response_model=EndSessionsResponse,
     summary="End request sessions",
     description="Drop the sessions of finished requests and release their leases.",
+    responses=GUARDED_RESPONSES,
 )
 async def end(body: EndSessionsRequest, runtime: RuntimeDep) -> EndSessionsResponse:
     return runtime.cache.end(body)
@@ -212,6 +227,7 @@ async def end(body: EndSessionsRequest, runtime: RuntimeDep) -> EndSessionsRespo
 
 @router.post(
     "/blend/match",
+    dependencies=GUARDED,
     response_model=BlendMatchResponse,
     summary="Which chunks of a token sequence are cached anywhere (CacheBlend)",
     description=(
@@ -220,6 +236,7 @@ async def end(body: EndSessionsRequest, runtime: RuntimeDep) -> EndSessionsRespo
         "any position. Needs `--enable-blend`."
     ),
     responses={
+        **GUARDED_RESPONSES,
         409: problem_doc("Blend matcher disabled, or no final chunk size"),
         422: problem_doc("Malformed request"),
     },

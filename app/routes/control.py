@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from app import __version__
-from app.deps import RuntimeDep
+from app.deps import GUARDED, GUARDED_RESPONSES, RuntimeDep
 from app.problems import problem_doc
 from contract.schemas import (
     ChunkSizeResponse,
@@ -21,6 +21,7 @@ router = APIRouter(tags=["control"])
 
 @router.post(
     "/negotiate",
+    dependencies=GUARDED,
     response_model=NegotiateResponse,
     summary="Negotiate the chunk size",
     description=(
@@ -29,6 +30,7 @@ router = APIRouter(tags=["control"])
         "only after the size is bound to every chunk-dependent part."
     ),
     responses={
+        **GUARDED_RESPONSES,
         409: problem_doc("Incompatible alignment, or resize after sessions"),
         422: problem_doc("Malformed or out-of-range input"),
         503: problem_doc("A binding failed; retry (resumes), see Retry-After"),
