@@ -33,9 +33,9 @@ import selectors
 import socket
 import stat
 import struct
-import sys
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,50 +73,85 @@ class Peer:
 
 
 class SealedMemory:
-    """One memfd the server mapped (the descriptor itself is closed already).
+    """One memfd the server mapped; the descriptor itself is closed already.
 
-    Layout: byte ``i`` of the mapping is byte ``i`` of the worker's storage. The
-    seal forbids shrinking, so every byte up to ``size_bytes`` stays backed for the
+    Layout: byte ``i`` of ``buffer`` is byte ``i`` of the worker's storage. The seal
+    forbids shrinking, so every byte up to ``size_bytes`` stays backed for the
     mapping's life: a copy can never fault on a truncated page.
 
-    ``close`` unmaps; views made with ``torch.frombuffer`` keep the mmap object
-    alive, so when some still exist the unmap happens when the last one goes.
+    Mapped with libc's ``mmap`` rather than Python's ``mmap.mmap``, which keeps a
+    duplicate of the descriptor open for its whole life: the server holds no
+    descriptor per registration. ``buffer`` owns the mapping: it is unmapped when
+    the last reference goes (``close`` drops this object's; views made with
+    ``torch.frombuffer`` hold theirs), so no view ever dangles.
     """
 
-    def __init__(self, mm: mmap.mmap, size_bytes: int) -> None:
+    def __init__(self, buffer: ctypes.Array[ctypes.c_char], size_bytes: int) -> None:
         self.size_bytes = size_bytes
-        self._mm: mmap.mmap | None = mm
-        self._lock = threading.Lock()
+        self._buffer: ctypes.Array[ctypes.c_char] | None = buffer
 
     @property
-    def buffer(self) -> mmap.mmap:
-        mm = self._mm
-        if mm is None:
+    def buffer(self) -> ctypes.Array[ctypes.c_char]:
+        buffer = self._buffer
+        if buffer is None:
             raise ValueError("sealed memory is closed")
-        return mm
+        return buffer
 
     @property
     def closed(self) -> bool:
-        return self._mm is None
+        return self._buffer is None
 
     def close(self) -> None:
-        with self._lock:
-            mm, self._mm = self._mm, None
-        if mm is None:
-            return
-        if sys.getrefcount(mm) <= 2:  # this frame's name and the call's argument
-            mm.close()
-        del mm
+        self._buffer = None
+
+
+class _Libc:
+    """libc's mmap/munmap/fstatfs, loaded once, on first use."""
+
+    _lib: ctypes.CDLL | None = None
+
+    @classmethod
+    def get(cls) -> ctypes.CDLL:
+        if cls._lib is None:
+            lib = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+            lib.mmap.restype = ctypes.c_void_p
+            lib.mmap.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_size_t,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_long,
+            ]
+            lib.munmap.restype = ctypes.c_int
+            lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            lib.fstatfs.restype = ctypes.c_int
+            lib.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+            cls._lib = lib
+        return cls._lib
+
+
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map_shared(fd: int, size: int) -> ctypes.Array[ctypes.c_char]:
+    """Map ``fd`` read-write, shared; the returned buffer unmaps when it is freed."""
+    libc = _Libc.get()
+    addr = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    # A subclass: plain ctypes arrays take no weak references, which finalize needs.
+    kind: type[ctypes.Array[ctypes.c_char]] = type("SealedMapping", (ctypes.c_char * size,), {})
+    buffer = kind.from_address(addr)
+    weakref.finalize(buffer, libc.munmap, addr, size)
+    return buffer
 
 
 def _fs_type(fd: int) -> int | None:
     """``statfs.f_type`` of the file behind ``fd`` (Linux), or None if unknown."""
-    path = ctypes.util.find_library("c")
-    if path is None:
-        return None
-    libc = ctypes.CDLL(path, use_errno=True)
     buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
-    if libc.fstatfs(fd, buf) != 0:
+    if _Libc.get().fstatfs(fd, buf) != 0:
         return None
     return int(ctypes.c_long.from_buffer(buf).value)
 
@@ -149,10 +184,10 @@ def map_sealed(fd: int) -> SealedMemory:
             "plain memfd (no MFD_HUGETLB)"
         )
     try:
-        mm = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        buffer = _map_shared(fd, info.st_size)
     except OSError as exc:
         raise GateError(f"cannot map a memfd read-write: {exc.strerror}") from exc
-    return SealedMemory(mm, info.st_size)
+    return SealedMemory(buffer, info.st_size)
 
 
 @dataclass
