@@ -411,3 +411,18 @@ def metric(client: Any, name: str, **labels: str) -> float:
 
 KVFactory = Callable[[Sequence[LayerSpec]], ShmKV]
 """The ``shm_kv`` fixture: builds worker KV caches in shm for the given layers."""
+
+
+def register_over(http: Any, body: dict[str, Any]) -> tuple[str, WorkerSocket]:
+    """Register ``body`` (placeholder tickets) with any HTTP client (``httpx.Client``,
+    a ``TestClient``): the memfds go over a new socket connection, which the caller
+    keeps open while the registration should live and closes after. Returns the
+    registration token and that connection."""
+    worker = WorkerSocket(http.get("/register").json()["socket_path"])
+    try:
+        reply = http.post("/register", json=with_tickets(body, worker))
+        reply.raise_for_status()
+    except BaseException:
+        worker.close()
+        raise
+    return str(reply.json()["registration_token"]), worker

@@ -51,8 +51,13 @@ def _problem(reply: Any, status: int) -> dict[str, Any]:
     return body
 
 
-def _open_fds() -> set[int]:
-    return {int(n) for n in os.listdir("/proc/self/fd")}
+def _open_fds(label: str) -> int:
+    """Descriptors this process (test and in-process server) holds on memfds ``label``."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/self/fd/{name}") == f"/memfd:{label} (deleted)"
+    return count
 
 
 # ------------------------------------------------------------------ truncation
@@ -279,15 +284,16 @@ def test_a_handshake_with_too_many_descriptors_is_refused_and_keeps_none(
     worker = client.worker
     fds = [sealed_memfd(4096, "mpcache-test-many") for _ in range(MAX_FDS_PER_HANDSHAKE + 1)]
     try:
-        before = _open_fds()
+        assert _open_fds("mpcache-test-many") == len(fds)  # ours
         with pytest.raises(ValueError, match=f"at most {MAX_FDS_PER_HANDSHAKE} descriptors"):
             worker.tickets(fds)
-        assert _open_fds() <= before  # the server (in this process) closed every one
+        assert _open_fds("mpcache-test-many") == len(fds)  # the server closed every one
         assert shm_mappings("mpcache-test-many") == 0
         # At the cap it works, and still no descriptor stays open: memory is mapped.
         tickets = worker.tickets(fds[:MAX_FDS_PER_HANDSHAKE])
         assert len(set(tickets)) == MAX_FDS_PER_HANDSHAKE
-        assert _open_fds() <= before
+        assert _open_fds("mpcache-test-many") == len(fds)
+        assert shm_mappings("mpcache-test-many") == MAX_FDS_PER_HANDSHAKE
     finally:
         for fd in fds:
             os.close(fd)
