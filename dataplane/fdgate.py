@@ -173,7 +173,10 @@ def map_sealed(fd: int) -> SealedMemory:
             "a memfd is not sealed against shrinking; add F_SEAL_SHRINK "
             "(fcntl F_ADD_SEALS) before passing it"
         )
-    info = os.fstat(fd)
+    try:
+        info = os.fstat(fd)
+    except OSError as exc:
+        raise GateError(f"cannot stat a descriptor: {exc.strerror}") from exc
     if not stat.S_ISREG(info.st_mode) or info.st_size < 1:
         raise GateError(f"a memfd holds {info.st_size} bytes; it must hold at least one")
     fs_type = _fs_type(fd)
@@ -328,11 +331,17 @@ class FdGate:
                 sock = key.fileobj
                 if sock is self._wake_r:
                     continue
-                if sock is self._listener:
-                    self._accept()
-                else:
-                    assert isinstance(key.data, int)
-                    self._serve(key.data)
+                try:
+                    if sock is self._listener:
+                        self._accept()
+                    else:
+                        assert isinstance(key.data, int)
+                        self._serve(key.data)
+                except Exception:
+                    # One bad peer must never stop the gate for every worker.
+                    logger.exception("registration socket: serving a peer failed")
+                    if isinstance(key.data, int):
+                        self._disconnect(key.data)
 
     def _accept(self) -> None:
         try:
