@@ -329,20 +329,34 @@ def test_connections_beyond_the_cap_are_dropped(tmp_path: Any) -> None:
     assert not gate.path.exists()
 
 
+@pytest.mark.parametrize(
+    ("shape", "stride", "ok_stride"),
+    [
+        pytest.param(
+            [2, 8, 16, 2, 1], [2048, 256, 16, 8, 2**63], [2048, 256, 16, 8, 2**47], id="last-dim"
+        ),
+        pytest.param(
+            [1, 8, 16, 2, 8], [2**63, 256, 16, 8, 1], [2**47, 256, 16, 8, 1], id="first-dim"
+        ),
+    ],
+)
 def test_a_stride_of_2_63_on_a_size_1_dimension_is_a_4xx(
-    make_client: ClientFactory, shm_kv: KVFactory
+    make_client: ClientFactory,
+    shm_kv: KVFactory,
+    shape: list[int],
+    stride: list[int],
+    ok_stride: list[int],
 ) -> None:
-    """Was: HTTP 500 (torch's int64 maths overflowed)."""
+    """Was: HTTP 500 (torch's int64 maths overflowed; main: the last-dim case)."""
     client = make_client()
     kv = shm_kv([vllm_layer("l0", 0, 8)])
     body = register_body(kv, "w", GROUPS, chunk_size=CHUNK)
     tensor = body["layers"][0]["tensors"][0]
-    tensor["shape"] = [1, 8, 16, 2, 8]
-    tensor["stride"] = [2**63, 256, 16, 8, 1]
+    tensor["shape"], tensor["stride"] = shape, stride
     _problem(client.post("/register", json=body), 422)
     assert client.get("/health").json()["registrations"] == 0
     # Within the schema's bound, a stride on a size-1 dimension is never used: fine.
-    tensor["stride"] = [2**47, 256, 16, 8, 1]
+    tensor["stride"] = ok_stride
     assert client.post("/register", json=body).status_code == 200
 
 
