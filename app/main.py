@@ -53,9 +53,15 @@ a body over `--max-body-size` is refused with 413.
 `POST /negotiate` (selects chunk size 288: alignment 96 over the default minimum 256),
 `GET /chunk-size`, `POST /cache/lookup` (0 hit tokens: nothing is cached yet),
 `POST /cache/blend/match` (needs `--enable-blend`; 409 otherwise), `POST /cache/end`.
-`POST /register` needs a vLLM worker's live shared-memory segment or CUDA IPC
-handle, and store and retrieve need a registration, so their examples show the shape
-of a call and answer with a problem body here.
+`POST /register` needs tickets for a vLLM worker's sealed memfds (passed over the
+socket `GET /register` names) or a CUDA IPC handle, and store and retrieve need a
+registration and its token, so their examples show the shape of a call and answer
+with a problem body here.
+
+**Credentials.** With `MPCACHE_API_TOKEN` set, every mutating route (`POST`,
+`DELETE`) needs `Authorization: Bearer <token>` (401 otherwise); reads stay open.
+A registration's own `registration_token` guards its store, retrieve, replace and
+DELETE (403 otherwise).
 
 Prometheus metrics: `GET /metrics` (text format; not described in this schema).
 """
@@ -69,8 +75,9 @@ TAGS = [
     },
     {
         "name": "registration",
-        "description": "Workers share their KV caches. Needs a live shared-memory segment "
-        "or CUDA IPC handle of a vLLM worker: the example cannot succeed from this page.",
+        "description": "Workers share their KV caches: sealed memfds passed over the "
+        "registration socket, or CUDA IPC handles of a vLLM worker; the example cannot "
+        "succeed from this page.",
     },
 ]
 

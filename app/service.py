@@ -7,6 +7,11 @@ the telemetry and the CacheBlend index in step with the pool.
 Semantics (``contract.schemas`` has the wire shapes):
 
 - Every operation needs a final chunk size (409 ``NotNegotiated`` before that).
+- A registration is its registrant's: ``register`` returns a secret token, and
+  store, retrieve, unregister and a replacing register of that ``(instance_id,
+  rank)`` need it (403 otherwise; ``dataplane.registry``). Its memfds come from
+  the registration socket (``dataplane.fdgate``), whose connection's close
+  releases it.
 - A chunk is identified by its prefix key and a rank. ``lookup`` counts a chunk
   only if every rank in ``range(world_size)`` has it, stops at the first miss, and
   leases the hits to the request (released at end of session, on session expiry,
@@ -60,6 +65,7 @@ from app.telemetry import Telemetry
 from contract.errors import (
     ChunkSizeMismatch,
     FeatureDisabled,
+    InvalidDescriptor,
     InvalidRequest,
     NotNegotiated,
     Unavailable,
@@ -85,9 +91,11 @@ from contract.schemas import (
     TokenSpan,
     TransferItem,
 )
+from dataplane.descriptors import Redeemed
+from dataplane.fdgate import FdGate
 from dataplane.layout import chunk_block_ids, slot_mask
 from dataplane.pool import PRESENT, DropReason, Entry, Pool
-from dataplane.registry import Registration, Registry, build_registration
+from dataplane.registry import Registration, Registry, build_registration, memfd_tickets
 from dataplane.transfer import CopyPool, gather_chunk, scatter_chunk
 
 __all__ = ["CacheService", "LookupBatch", "PoolPressureLog"]
@@ -229,6 +237,7 @@ class CacheService:
         final_size: Callable[[], int | None],
         lease_ttl_s: float,
         copier: CopyPool | None = None,
+        gate: FdGate | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._hasher = hasher
@@ -240,6 +249,7 @@ class CacheService:
         self._final_size = final_size
         self._lease_ttl_s = lease_ttl_s
         self._copier = copier or CopyPool(1)
+        self._gate = gate
         self._clock = clock  # deadlines: the clock ``received_at`` stamps are taken on
         self._pool_pressure = PoolPressureLog(clock=clock)
         self._stopping = threading.Event()
@@ -386,8 +396,34 @@ class CacheService:
 
     # ------------------------------------------------------------------ registration
 
+    def _redeem(self, req: RegisterRequest) -> Redeemed | None:
+        tickets = memfd_tickets(req)
+        if not tickets:
+            return None
+        if self._gate is None:
+            raise InvalidDescriptor(
+                "this server takes no memfd tickets (no registration socket)",
+                reason="unknown-ticket",
+            )
+        return self._gate.take(tickets)
+
     @_timed("register")
-    def register(self, req: RegisterRequest) -> RegisterResponse:
+    def register(self, req: RegisterRequest, *, token: str | None = None) -> RegisterResponse:
+        """Register ``req``; ``token`` is needed to replace an existing registration.
+
+        Its tickets are used up whatever the outcome: a refused registration leaves
+        nothing mapped."""
+        redeemed = self._redeem(req)
+        try:
+            return self._register(req, token, redeemed)
+        except BaseException:
+            for memory in (redeemed or (0, {}))[1].values():
+                memory.close()
+            raise
+
+    def _register(
+        self, req: RegisterRequest, token: str | None, redeemed: Redeemed | None
+    ) -> RegisterResponse:
         size = self._final_size()
         if size is None:
             raise NotNegotiated(
@@ -401,15 +437,20 @@ class CacheService:
                 chunk_size=size,
                 requested_chunk_size=req.chunk_size,
             )
-        reg = build_registration(req)
-        refreshed = self.registry.add(reg)
+        reg = build_registration(req, redeemed)
+        gate = self._gate
+        refreshed = self.registry.add(
+            reg, token=token, alive=gate.alive if gate is not None else None
+        )
+        peer = gate.peer(reg.conn_id) if gate is not None and reg.conn_id is not None else None
         logger.info(
-            "%s instance %r rank %d: %d tensors, %d bytes per chunk",
+            "%s instance %r rank %d: %d tensors, %d bytes per chunk%s",
             "refreshed" if refreshed else "registered",
             req.instance_id,
             req.rank,
             len(reg.layout.tensors),
             reg.chunk_bytes,
+            f" (worker pid {peer.pid})" if peer is not None else "",
         )
         return RegisterResponse(
             instance_id=req.instance_id,
@@ -418,12 +459,12 @@ class CacheService:
             num_layers=len(req.layers),
             chunk_bytes=reg.chunk_bytes,
             refreshed=refreshed,
+            registration_token=reg.token,
         )
 
     @_timed("unregister")
-    def unregister(self, instance_id: str, rank: int) -> bool:
-        removed = self.registry.remove(instance_id, rank)
-        return removed
+    def unregister(self, instance_id: str, rank: int, token: str | None) -> None:
+        self.registry.remove(instance_id, rank, token)
 
     # ------------------------------------------------------------------ cache ops
 
@@ -463,11 +504,17 @@ class CacheService:
         return result, hits, len(keys) - hits
 
     @_timed("store")
-    def store(self, req: StoreRequest, *, received_at: float | None = None) -> StoreResponse:
-        """Store the batch; ``received_at`` (monotonic) starts ``req.timeout_s``."""
+    def store(
+        self, req: StoreRequest, *, received_at: float | None = None, token: str | None = None
+    ) -> StoreResponse:
+        """Store the batch; ``received_at`` (monotonic) starts ``req.timeout_s``;
+        ``token`` is the registration's."""
         size = self._size()
         deadline = self._deadline(req.timeout_s, received_at)
-        with self._transfer("store"), self.registry.acquire(req.instance_id, req.rank) as reg:
+        with (
+            self._transfer("store"),
+            self.registry.acquire(req.instance_id, req.rank, token) as reg,
+        ):
             items = self._check_items(reg, req.requests, size)
             results = [self._store_item(reg, it, size, deadline) for it in items]
         late = sum(r.failed_chunks for r, timed_out in results if timed_out)
@@ -545,14 +592,15 @@ class CacheService:
 
     @_timed("retrieve")
     def retrieve(
-        self, req: RetrieveRequest, *, received_at: float | None = None
+        self, req: RetrieveRequest, *, received_at: float | None = None, token: str | None = None
     ) -> RetrieveResponse:
-        """Retrieve the batch; ``received_at`` (monotonic) starts ``req.timeout_s``."""
+        """Retrieve the batch; ``received_at`` (monotonic) starts ``req.timeout_s``;
+        ``token`` is the registration's."""
         size = self._size()
         deadline = self._deadline(req.timeout_s, received_at)
         with (
             self._transfer("retrieve"),
-            self.registry.acquire(req.instance_id, req.rank) as reg,
+            self.registry.acquire(req.instance_id, req.rank, token) as reg,
         ):
             items = self._check_items(reg, req.requests, size)
             results = [self._retrieve_item(reg, it, size, deadline) for it in items]

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ByteSize, Field, field_validator, model_validator
+from pydantic import ByteSize, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contract import DEFAULT_PORT
@@ -139,6 +139,18 @@ class Settings(BaseSettings):
         gt=0,
         description="On SIGTERM, seconds in-flight requests get to finish; then store "
         "and retrieve stop at the next chunk and the server exits.",
+    )
+    api_token: SecretStr | None = Field(
+        None,
+        description="Bearer token every mutating route (negotiate, register, cache "
+        "operations) requires (`Authorization: Bearer ...`); unset: none. /health, "
+        "/metrics, /chunk-size and /docs stay open. The connector sends mpcache.api_token.",
+    )
+    register_socket: Path | None = Field(
+        None,
+        description="Unix socket where workers pass their sealed KV-cache memfds (mode "
+        "0600); unset: register.sock in a new private directory under $XDG_RUNTIME_DIR "
+        "or /tmp. GET /register tells the connector where it is.",
     )
     address_file: Path | None = Field(
         None,

@@ -2,9 +2,9 @@
 
 Nothing lives in module globals. ``Runtime.close`` releases what the runtime owns:
 it first stops store and retrieve calls still running (each stops at its next
-chunk; the wait is bounded by ``--shutdown-timeout-s``), then sessions (and their
-leases), every registered KV-cache mapping, the body decoder's helper process,
-and the pool's shared-memory segment (unlinked).
+chunk; the wait is bounded by ``--shutdown-timeout-s``), then the registration
+socket, sessions (and their leases), every registered KV-cache mapping, the body
+decoder's helper process, and the pool's shared-memory segment (unlinked).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from app.settings import Settings
 from app.telemetry import Telemetry
 from contract.errors import InvalidRequest
 from contract.shm_naming import segment_name
+from dataplane.fdgate import FdGate, default_socket_path
 from dataplane.pool import Pool
 from dataplane.registry import Registry
 from dataplane.segments import sweep_stale_segments
@@ -56,6 +57,7 @@ class Runtime:
     registry: Registry
     cache: CacheService
     copier: CopyPool
+    gate: FdGate
     parser: BodyParser = field(default_factory=BodyParser)
     copy_rates: dict[int, float] = field(default_factory=dict)
     """GB/s per thread count measured at start (empty when --copy-threads was given)."""
@@ -73,6 +75,7 @@ class Runtime:
         if running:
             logger.warning("%d store/retrieve call(s) still copying at shutdown", running)
         try:
+            self.gate.close()
             self.parser.close()
             self.cache.close()
             self.sessions.close()
@@ -123,11 +126,23 @@ def build_runtime(settings: Settings) -> Runtime:
         threads, copy_rates = measure_copy_threads()
     configure_copy_threads(threads)
     copier = CopyPool(threads)
-    # Pools of crashed servers and KV caches of crashed workers (each removal is logged).
+    # Pools of crashed servers (each removal is logged).
     sweep_stale_segments()
-    pool = Pool.create(segment_name("pool"), settings.pool_size, settings.pool_page_size)
+    registry = Registry()
+    socket_path = settings.register_socket or default_socket_path(settings.port)
+    gate = FdGate(
+        socket_path,
+        on_disconnect=registry.release_connection,
+        owns_directory=settings.register_socket is None,
+    )
     try:
-        registry = Registry()
+        pool = Pool.create(segment_name("pool"), settings.pool_size, settings.pool_page_size)
+    except BaseException:
+        gate.close()
+        copier.close()
+        raise
+    try:
+        gate.start()
         cache = CacheService(
             hasher=hasher,
             sessions=sessions,
@@ -138,6 +153,7 @@ def build_runtime(settings: Settings) -> Runtime:
             final_size=lambda: authority.final_size,
             lease_ttl_s=settings.lease_ttl_s,
             copier=copier,
+            gate=gate,
         )
         if settings.pool_prefault:
             pool.start_prefault()
@@ -156,9 +172,11 @@ def build_runtime(settings: Settings) -> Runtime:
             registry=registry,
             cache=cache,
             copier=copier,
+            gate=gate,
             copy_rates=copy_rates,
         )
     except BaseException:
+        gate.close()
         copier.close()
         pool.close()
         raise

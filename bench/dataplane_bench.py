@@ -31,6 +31,8 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import mmap
+import os
 import statistics
 import sys
 import time
@@ -43,8 +45,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import MIN_ROUNDS, Rounds, load_line
+from contract.schemas import REGISTRATION_TOKEN_HEADER
 from contract.shm_naming import segment_name
 from dataplane.segments import Segment
+from tests.dataplane.support import WorkerSocket, register_over, sealed_memfd
 from tests.support import server_process
 
 LAYERS = 32
@@ -55,6 +59,8 @@ CHUNK = 256
 BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2  # K and V, bf16: 128 KiB
 NAMESPACE = "bench/llama-3-8b-like"
 TINY_NAMESPACE = "bench/tiny"
+TOKENS: dict[str, str] = {}
+"""Registration token of each instance (``POST /register`` returned it)."""
 
 
 def b64(tokens: np.ndarray) -> str:
@@ -62,14 +68,15 @@ def b64(tokens: np.ndarray) -> str:
 
 
 class KVCache:
-    """A worker's KV cache in one shm segment: one ``[2, NB, 16, H, 128]`` bf16 tensor a layer."""
+    """A worker's KV cache in one sealed memfd: one ``[2, NB, 16, H, 128]`` bf16 tensor a layer."""
 
     def __init__(self, num_blocks: int, layers: int = LAYERS, heads: int = KV_HEADS) -> None:
         self.shape = (2, num_blocks, BLOCK, heads, HEAD_DIM)
         self.layer_bytes = 2 * num_blocks * BLOCK * heads * HEAD_DIM * 2
         self.layers = layers
-        self.segment = Segment.create(segment_name("w"), self.layer_bytes * layers)
-        self.array = np.frombuffer(self.segment.buffer, dtype=np.uint8)
+        self.fd = sealed_memfd(self.layer_bytes * layers, "mpcache-bench-kv")
+        self.mm = mmap.mmap(self.fd, self.layer_bytes * layers)
+        self.array = np.frombuffer(self.mm, dtype=np.uint8)
         for i in range(layers):  # touch every page, a different pattern per layer
             self.array[i * self.layer_bytes : (i + 1) * self.layer_bytes] = i + 1
 
@@ -93,8 +100,8 @@ class KVCache:
                     "group_id": 0,
                     "tensors": [
                         {
-                            "transport": "shm",
-                            "segment": self.segment.name,
+                            "transport": "memfd",
+                            "ticket": f"fd:{self.fd}",
                             "offset_bytes": i * self.layer_bytes,
                             "shape": list(self.shape),
                             "stride": elems,
@@ -109,7 +116,8 @@ class KVCache:
 
     def close(self) -> None:
         del self.array
-        self.segment.close()
+        self.mm.close()
+        os.close(self.fd)
 
 
 def transfer(
@@ -137,7 +145,7 @@ def transfer(
             }
         ],
     }
-    reply = http.post(path, json=body)
+    reply = http.post(path, json=body, headers={REGISTRATION_TOKEN_HEADER: TOKENS[instance]})
     reply.raise_for_status()
     result: dict[str, Any] = reply.json()["results"][0]
     return result
@@ -189,9 +197,10 @@ def main() -> None:
             httpx.Client(base_url=url, timeout=120.0) as http,
         ):
             http.post("/negotiate", json={"required_alignment": BLOCK}).raise_for_status()
-            http.post("/register", json=kv.register_body("bench", NAMESPACE)).raise_for_status()
-            reg = tiny.register_body("tiny", TINY_NAMESPACE)
-            http.post("/register", json=reg).raise_for_status()
+            sockets: list[WorkerSocket] = []
+            for owner, instance, ns in ((kv, "bench", NAMESPACE), (tiny, "tiny", TINY_NAMESPACE)):
+                TOKENS[instance], sock = register_over(http, owner.register_body(instance, ns))
+                sockets.append(sock)
 
             def store(seed: int, blocks: list[int]) -> tuple[np.ndarray, float]:
                 tokens = np.random.default_rng(seed).integers(0, 128000, args.tokens, np.int32)
@@ -237,6 +246,8 @@ def main() -> None:
                 for line in http.get("/metrics").text.splitlines()
                 if line.startswith("mpcache_copy_threads ")
             ]
+            for sock in sockets:
+                sock.close()
         del dst, src
     finally:
         for owner in (kv, tiny):

@@ -96,22 +96,26 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def _cache_prompts(http: httpx.Client, prompts: list[list[int]], tokens: int) -> None:
     """Store every whole chunk of every prompt through a tiny registered KV cache."""
+    import mmap
+    import os
+
     import torch
 
-    from contract.shm_naming import segment_name
-    from dataplane.segments import Segment
+    from contract.schemas import REGISTRATION_TOKEN_HEADER
+    from tests.dataplane.support import register_over, sealed_memfd
 
     blocks = tokens // BLOCK_SIZE
     per_layer = (blocks + 1) * 2 * BLOCK_SIZE * 8 * 4
-    segment = Segment.create(segment_name("w"), per_layer)
+    fd = sealed_memfd(per_layer, "mpcache-bench-burst")
+    mm = mmap.mmap(fd, per_layer)
     try:
-        view = torch.frombuffer(segment.buffer, dtype=torch.float32)
+        view = torch.frombuffer(mm, dtype=torch.float32)
         view.fill_(1.0)
         shape = [blocks + 1, *KV_SHAPE]
         stride = [2 * BLOCK_SIZE * 8, BLOCK_SIZE * 8, 8, 8, 1]
         tensor = {
-            "transport": "shm",
-            "segment": segment.name,
+            "transport": "memfd",
+            "ticket": f"fd:{fd}",
             "offset_bytes": 0,
             "shape": shape,
             "stride": stride,
@@ -126,7 +130,8 @@ def _cache_prompts(http: httpx.Client, prompts: list[list[int]], tokens: int) ->
             "groups": [{"group_id": 0, "kind": "attention", "token_span": BLOCK_SIZE}],
             "layers": [{"name": "l0", "group_id": 0, "tensors": [tensor]}],
         }
-        http.post("/register", json=body).raise_for_status()
+        token, sock = register_over(http, body)
+        owner = {REGISTRATION_TOKEN_HEADER: token}
         ids = list(range(1, blocks + 1))
         for i, prompt in enumerate(prompts):
             end = (len(prompt) - 1) // CHUNK * CHUNK
@@ -139,15 +144,19 @@ def _cache_prompts(http: httpx.Client, prompts: list[list[int]], tokens: int) ->
                 "block_ids": [ids],
             }
             reply = http.post(
-                "/cache/store", json={"instance_id": "burst", "rank": 0, "requests": [item]}
+                "/cache/store",
+                json={"instance_id": "burst", "rank": 0, "requests": [item]},
+                headers=owner,
             )
             reply.raise_for_status()
             assert reply.json()["results"][0]["stored_chunks"] == end // CHUNK, reply.text
         http.post("/cache/end", json={"request_ids": [f"seed{i}" for i in range(len(prompts))]})
-        http.delete("/register/burst/0").raise_for_status()
+        http.delete("/register/burst/0", headers=owner).raise_for_status()
+        sock.close()
         del view
     finally:
-        segment.close()
+        mm.close()
+        os.close(fd)
 
 
 def burst(sched: SchedulerAdapter, requests: list[_Request], expect: int) -> dict[str, float]:

@@ -30,6 +30,7 @@ from connector.errors import (
 )
 from contract.frames import LOOKUP_FRAME_MEDIA_TYPE
 from contract.schemas import (
+    REGISTRATION_TOKEN_HEADER,
     ChunkSizeResponse,
     EndSessionsRequest,
     EndSessionsResponse,
@@ -40,6 +41,7 @@ from contract.schemas import (
     NegotiateResponse,
     RegisterRequest,
     RegisterResponse,
+    RegistrationInfo,
     RetrieveRequest,
     RetrieveResponse,
     StoreRequest,
@@ -126,6 +128,19 @@ def _register_path(instance_id: str, rank: int) -> str:
     return f"/register/{quote(instance_id, safe='')}/{rank}"
 
 
+def _default_headers(api_token: str | None) -> dict[str, str]:
+    if api_token is None:
+        return dict(_HEADERS)
+    return {**_HEADERS, "authorization": f"Bearer {api_token}"}
+
+
+def _token_headers(body: Body, registration_token: str | None) -> dict[str, str] | None:
+    headers = _frame_headers(body)
+    if registration_token is None:
+        return headers
+    return {**(headers or {}), REGISTRATION_TOKEN_HEADER: registration_token}
+
+
 class ControlClient:
     """Blocking client; every call is bounded by ``timeout_s`` (or its override)."""
 
@@ -135,11 +150,15 @@ class ControlClient:
         *,
         timeout_s: float,
         transport: httpx.BaseTransport | None = None,
+        api_token: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self._http = httpx.Client(
-            base_url=self.base_url, timeout=timeout_s, transport=transport, headers=_HEADERS
+            base_url=self.base_url,
+            timeout=timeout_s,
+            transport=transport,
+            headers=_default_headers(api_token),
         )
 
     def close(self) -> None:
@@ -152,6 +171,7 @@ class ControlClient:
         model: type[_M] | None,
         body: Body = None,
         timeout_s: float | None = None,
+        registration_token: str | None = None,
     ) -> _M | None:
         url = f"{self.base_url}{path}"
         with _translate(url):
@@ -159,7 +179,7 @@ class ControlClient:
                 method,
                 path,
                 content=_content(body),
-                headers=_frame_headers(body),
+                headers=_token_headers(body, registration_token),
                 timeout=self.timeout_s if timeout_s is None else timeout_s,
             )
         return _parse_reply(reply, model, url)
@@ -171,8 +191,9 @@ class ControlClient:
         model: type[_M],
         body: Body = None,
         timeout_s: float | None = None,
+        registration_token: str | None = None,
     ) -> _M:
-        result = self._call(method, path, model, body, timeout_s)
+        result = self._call(method, path, model, body, timeout_s, registration_token)
         assert result is not None
         return result
 
@@ -187,11 +208,32 @@ class ControlClient:
     def chunk_size(self, timeout_s: float | None = None) -> ChunkSizeResponse:
         return self._call_model("GET", "/chunk-size", ChunkSizeResponse, None, timeout_s)
 
-    def register(self, body: RegisterRequest, timeout_s: float | None = None) -> RegisterResponse:
-        return self._call_model("POST", "/register", RegisterResponse, body, timeout_s)
+    def registration_info(self, timeout_s: float | None = None) -> RegistrationInfo:
+        return self._call_model("GET", "/register", RegistrationInfo, None, timeout_s)
 
-    def unregister(self, instance_id: str, rank: int, timeout_s: float | None = None) -> None:
-        self._call("DELETE", _register_path(instance_id, rank), None, None, timeout_s)
+    def register(
+        self,
+        body: RegisterRequest,
+        timeout_s: float | None = None,
+        *,
+        registration_token: str | None = None,
+    ) -> RegisterResponse:
+        """Register; ``registration_token`` (the current one, if any) lets it replace."""
+        return self._call_model(
+            "POST", "/register", RegisterResponse, body, timeout_s, registration_token
+        )
+
+    def unregister(
+        self,
+        instance_id: str,
+        rank: int,
+        timeout_s: float | None = None,
+        *,
+        registration_token: str | None = None,
+    ) -> None:
+        self._call(
+            "DELETE", _register_path(instance_id, rank), None, None, timeout_s, registration_token
+        )
 
     def lookup(
         self, body: LookupRequest | bytes | Iterable[bytes], timeout_s: float | None = None
@@ -200,11 +242,27 @@ class ControlClient:
         as pieces (sent chunked as they are produced)."""
         return self._call_model("POST", "/cache/lookup", LookupResponse, body, timeout_s)
 
-    def store(self, body: StoreRequest, timeout_s: float | None = None) -> StoreResponse:
-        return self._call_model("POST", "/cache/store", StoreResponse, body, timeout_s)
+    def store(
+        self,
+        body: StoreRequest,
+        timeout_s: float | None = None,
+        *,
+        registration_token: str | None = None,
+    ) -> StoreResponse:
+        return self._call_model(
+            "POST", "/cache/store", StoreResponse, body, timeout_s, registration_token
+        )
 
-    def retrieve(self, body: RetrieveRequest, timeout_s: float | None = None) -> RetrieveResponse:
-        return self._call_model("POST", "/cache/retrieve", RetrieveResponse, body, timeout_s)
+    def retrieve(
+        self,
+        body: RetrieveRequest,
+        timeout_s: float | None = None,
+        *,
+        registration_token: str | None = None,
+    ) -> RetrieveResponse:
+        return self._call_model(
+            "POST", "/cache/retrieve", RetrieveResponse, body, timeout_s, registration_token
+        )
 
     def end_sessions(
         self, body: EndSessionsRequest, timeout_s: float | None = None
@@ -221,11 +279,15 @@ class AsyncControlClient:
         *,
         timeout_s: float,
         transport: httpx.AsyncBaseTransport | None = None,
+        api_token: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, timeout=timeout_s, transport=transport, headers=_HEADERS
+            base_url=self.base_url,
+            timeout=timeout_s,
+            transport=transport,
+            headers=_default_headers(api_token),
         )
 
     async def aclose(self) -> None:
@@ -238,6 +300,7 @@ class AsyncControlClient:
         model: type[_M] | None,
         body: Body = None,
         timeout_s: float | None = None,
+        registration_token: str | None = None,
     ) -> _M | None:
         url = f"{self.base_url}{path}"
         with _translate(url):
@@ -245,7 +308,7 @@ class AsyncControlClient:
                 method,
                 path,
                 content=_content(body),
-                headers=_frame_headers(body),
+                headers=_token_headers(body, registration_token),
                 timeout=self.timeout_s if timeout_s is None else timeout_s,
             )
         return _parse_reply(reply, model, url)
@@ -257,8 +320,9 @@ class AsyncControlClient:
         model: type[_M],
         body: Body = None,
         timeout_s: float | None = None,
+        registration_token: str | None = None,
     ) -> _M:
-        result = await self._call(method, path, model, body, timeout_s)
+        result = await self._call(method, path, model, body, timeout_s, registration_token)
         assert result is not None
         return result
 
@@ -270,10 +334,19 @@ class AsyncControlClient:
     async def health(self, timeout_s: float | None = None) -> HealthResponse:
         return await self._call_model("GET", "/health", HealthResponse, None, timeout_s)
 
+    async def registration_info(self, timeout_s: float | None = None) -> RegistrationInfo:
+        return await self._call_model("GET", "/register", RegistrationInfo, None, timeout_s)
+
     async def register(
-        self, body: RegisterRequest, timeout_s: float | None = None
+        self,
+        body: RegisterRequest,
+        timeout_s: float | None = None,
+        *,
+        registration_token: str | None = None,
     ) -> RegisterResponse:
-        return await self._call_model("POST", "/register", RegisterResponse, body, timeout_s)
+        return await self._call_model(
+            "POST", "/register", RegisterResponse, body, timeout_s, registration_token
+        )
 
     async def end_sessions(
         self, body: EndSessionsRequest, timeout_s: float | None = None

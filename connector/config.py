@@ -27,6 +27,9 @@ key                                 meaning                      default
                                     first negotiation
 ``mpcache.instance_id``             identity shared by the       vLLM's ``engine_id``
                                     scheduler and its workers
+``mpcache.api_token``               the server's                 unset
+                                    ``MPCACHE_API_TOKEN``, sent
+                                    as a bearer token
 =================================== ============================ =========================
 
 When both spellings are given, the ``mpcache.`` one wins. A ``null`` value means
@@ -160,6 +163,9 @@ class ConnectorConfig(BaseModel):
     startup_timeout_s: Seconds = _seconds(30.0, "mpcache.startup_timeout")
     instance_id: Annotated[str | None, BeforeValidator(_non_empty)] = Field(
         None, validation_alias=AliasChoices("mpcache.instance_id")
+    )
+    api_token: Annotated[str | None, BeforeValidator(_non_empty)] = Field(
+        None, validation_alias=AliasChoices("mpcache.api_token"), repr=False
     )
 
 

@@ -10,7 +10,7 @@ adapters catch ``ConnectorError`` there and degrade instead.
     ├── LayoutError               KV cache groups that cannot be cached, bad chunk size
     ├── StartupError              negotiation failed or servers disagree (startup)
     ├── RecoveryError             a restarted server cannot be re-joined (stays degraded)
-    ├── SegmentError              a POSIX shm segment could not be made or mapped
+    ├── SegmentError              a KV-cache memfd could not be made, sealed or passed
     └── ServerError               any failed call to an mpcache server
         ├── ServerUnreachable     connect/read/write failure
         │   └── ServerTimeout     the call ran past its timeout

@@ -58,8 +58,10 @@ class Heartbeat:
         recover: RecoverFn,
         name: str,
         transport_factory: AsyncTransportFactory | None = None,
+        api_token: str | None = None,
     ) -> None:
         self.links = tuple(links)
+        self._api_token = api_token
         self.interval_s = interval_s
         self.timeout_s = min(timeout_s, interval_s) if interval_s > 0 else timeout_s
         self._recover = recover
@@ -137,6 +139,7 @@ class Heartbeat:
                 link.url,
                 timeout_s=self.timeout_s,
                 transport=self._transport_factory(link.url) if self._transport_factory else None,
+                api_token=self._api_token,
             )
             for link in self.links
         }

@@ -171,6 +171,7 @@ class SchedulerAdapter:
                     url,
                     timeout_s=config.request_timeout_s,
                     transport=transport(url) if transport else None,
+                    api_token=config.api_token,
                 ),
                 role="scheduler",
             )
@@ -200,6 +201,7 @@ class SchedulerAdapter:
                 url,
                 timeout_s=config.lookup_timeout_s,
                 transport=transport(url) if transport else None,
+                api_token=config.api_token,
             )
             for url in self._lookup_ranks
         }
@@ -214,6 +216,7 @@ class SchedulerAdapter:
             recover=self._recover,
             name="mpcache-heartbeat-scheduler",
             transport_factory=async_transport,
+            api_token=config.api_token,
         )
         if start_heartbeat:
             self.heartbeat.start()

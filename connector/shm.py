@@ -1,144 +1,179 @@
-"""POSIX shared-memory segments that back vLLM's CPU KV cache (zero copy).
+"""Sealed memfds that back vLLM's CPU KV cache (zero copy), and the socket that hands
+them to the server.
 
-``ShmKVSegment.adopt`` moves one torch storage into a new segment *in place*: it
-creates the segment, maps it, copies the storage's bytes in, and swaps the
-storage's data pointer with the mapping (``UntypedStorage._swap_data_ptr_``). Every
-tensor and view vLLM holds on that storage -- the ``kv_caches`` dict, the attention
-layers' bound caches, kernel-block views -- now reads and writes the segment, so the
-server, which maps the same segment by name, sees the very same pages.
+``MemfdKVSegment.adopt`` moves one torch storage into a new memfd *in place*: it
+creates the memfd (``MFD_CLOEXEC | MFD_ALLOW_SEALING``), allocates its pages
+(``posix_fallocate``: a shortage is an error here, never a fault later), seals it
+against shrinking and growing and seals the seals (``contract.fdpass``), maps it,
+copies the storage's bytes in, and swaps the storage's data pointer with the mapping
+(``UntypedStorage._swap_data_ptr_``). Every tensor and view vLLM holds on that
+storage -- the ``kv_caches`` dict, the attention layers' bound caches, kernel-block
+views -- now reads and writes the memfd, so the server, which maps the descriptor
+the worker passes it, sees the very same pages.
 
-Layout: byte ``i`` of the segment is byte ``i`` of the storage; a tensor's data starts
+Layout: byte ``i`` of the memfd is byte ``i`` of the storage; a tensor's data starts
 at ``storage_offset() * element_size()`` (the descriptor's ``offset_bytes``).
 
-Ownership: the creating worker owns the *name* and is the only one to unlink it
-(``unlink``, at shutdown). The *mapping* is owned by the torch storage (its data
-pointer keeps the mmap alive), so vLLM's tensors stay valid after the unlink. The
-server only maps and unmaps. Names carry the creator's PID namespace and pid
-(``mpcache-w-<pidns>-<pid>-...``) so a sweep of stale segments can tell live owners
-from dead ones; names, prefixes, the free-space check and the sweep are defined once,
-in ``contract.shm_naming``, and re-exported here. A worker may call
-``sweep_stale_worker_segments()`` at its start to remove segments of crashed workers.
+Ownership: the worker owns the descriptor (``fd``) and closes it at shutdown; the
+*mapping* is owned by the torch storage (its data pointer keeps the mmap alive), so
+vLLM's tensors stay valid after the close. The memory has no name: it goes away when
+the worker and the server have both let go of it, including when the worker dies.
 
-posix_ipc and OS errors are translated into ``SegmentError`` here, and only here.
+``RegistrationChannel`` is the worker's end of the server's registration socket
+(``contract.fdpass``): it passes the descriptors and gets one-time tickets back,
+and stays connected for the worker's life, which is how the server learns that a
+worker died (its registration is then released).
+
+OS errors are translated into ``SegmentError`` here, and only here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
-import secrets
-from collections.abc import Iterator
+import socket
+import threading
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from connector.errors import SegmentError
-from contract.errors import SharedMemoryExhausted
-from contract.shm_naming import (
-    SEGMENT_PREFIX,
-    WORKER_PREFIX,
-    check_free_space,
-    sweep_stale_worker_segments,
-)
-from contract.shm_naming import segment_name as _segment_name
-
-__all__ = [
-    "SEGMENT_PREFIX",
-    "WORKER_PREFIX",
-    "ShmKVSegment",
-    "segment_name",
-    "sweep_stale_worker_segments",
-]
-
-_SPACE_ADVICE = (
-    "enlarge /dev/shm (e.g. docker --shm-size) or lower --gpu-memory-utilization / "
-    "--kv-cache-memory"
+from contract.fdpass import (
+    F_ADD_SEALS,
+    F_SEAL_GROW,
+    F_SEAL_SEAL,
+    F_SEAL_SHRINK,
+    HANDSHAKE_MAGIC,
+    REPLY_MAX_BYTES,
+    decode_reply,
 )
 
+__all__ = ["SEALS", "MemfdKVSegment", "RegistrationChannel", "memfd_name"]
 
-def segment_name(rank: int, index: int) -> str:
-    """A fresh name ``mpcache-w-<pidns>-<pid>-r<rank>_<index>_<random>`` (no leading slash).
+SEALS = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL
+"""What the worker seals: the size can never change again, nor the seals."""
 
-    The server's scheme is ``mpcache-<kind>-<pidns>-<pid>-<token>``
-    (``contract.shm_naming``): it maps only ``mpcache-w-`` names and sweeps one only
-    when its ``<pidns>`` is its own and its ``<pid>`` is dead.
-    """
-    return _segment_name("w", token=f"r{rank}_{index}_{secrets.token_hex(3)}")
+
+def memfd_name(rank: int, index: int) -> str:
+    """The memfd's label (``/proc/<pid>/fd`` shows ``/memfd:<label>``): no meaning to
+    the server, which never sees names."""
+    return f"mpcache-kv-r{rank}-{index}"
 
 
 @contextlib.contextmanager
 def _translate(name: str, action: str) -> Iterator[None]:
-    import posix_ipc
-
     try:
         yield
-    except (posix_ipc.Error, OSError, ValueError) as exc:
-        raise SegmentError(f"shared-memory segment {name!r}: {action} failed: {exc}") from exc
+    except (OSError, ValueError) as exc:
+        raise SegmentError(f"KV-cache memfd {name!r}: {action} failed: {exc}") from exc
 
 
-class ShmKVSegment:
-    """One POSIX shm segment holding one torch storage (see module docstring)."""
+class MemfdKVSegment:
+    """One sealed memfd holding one torch storage (see module docstring)."""
 
-    def __init__(self, name: str, nbytes: int) -> None:
+    def __init__(self, name: str, fd: int, nbytes: int) -> None:
         self.name = name
+        self.fd = fd
         self.nbytes = nbytes
-        self._unlinked = False
 
     @classmethod
-    def adopt(cls, storage: torch.UntypedStorage, name: str) -> ShmKVSegment:
-        """Move ``storage`` into a new segment named ``name``, in place."""
-        import posix_ipc
-
+    def adopt(cls, storage: torch.UntypedStorage, name: str) -> MemfdKVSegment:
+        """Move ``storage`` into a new sealed memfd labelled ``name``, in place."""
         nbytes = storage.nbytes()
         if nbytes <= 0:
-            raise SegmentError(f"cannot place an empty storage in segment {name!r}")
+            raise SegmentError(f"cannot place an empty storage in memfd {name!r}")
         if storage.device.type != "cpu":
             raise SegmentError(f"only CPU storages go to shared memory, got {storage.device}")
+        with _translate(name, "create"):
+            fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            check_free_space(nbytes, advice=_SPACE_ADVICE)
-        except SharedMemoryExhausted as exc:
-            raise SegmentError(exc.detail) from exc
-        segment = cls(name, nbytes)
-        created = False
-        try:
-            with _translate(name, "create"):
-                shm = posix_ipc.SharedMemory(f"/{name}", posix_ipc.O_CREX, mode=0o600, size=0)
-                created = True
-                try:
-                    # Reserve the pages now: a full tmpfs is an error here, never a
-                    # SIGBUS on first touch later.
-                    if hasattr(os, "posix_fallocate"):
-                        os.posix_fallocate(shm.fd, 0, nbytes)
-                    else:  # pragma: no cover - macOS has no posix_fallocate
-                        os.ftruncate(shm.fd, nbytes)
-                    mapping = mmap.mmap(shm.fd, nbytes)
-                finally:
-                    shm.close_fd()
+            with _translate(name, "allocate"):
+                os.posix_fallocate(fd, 0, nbytes)
+                fcntl.fcntl(fd, F_ADD_SEALS, SEALS)
+                mapping = mmap.mmap(fd, nbytes)
             view = torch.frombuffer(mapping, dtype=torch.uint8)
             fresh = view.untyped_storage()
             fresh.copy_(storage)
             storage._swap_data_ptr_(fresh)  # type: ignore[attr-defined]
         except BaseException:
-            if created:
-                segment.unlink()
+            os.close(fd)
             raise
-        return segment
+        return cls(name, fd, nbytes)
 
-    def unlink(self) -> None:
-        """Remove the name (the owner only); mapped memory stays valid. Idempotent."""
-        if self._unlinked:
-            return
-        import posix_ipc
-
-        self._unlinked = True
-        try:
-            posix_ipc.unlink_shared_memory(f"/{self.name}")
-        except posix_ipc.ExistentialError:
-            pass  # already gone (swept, or unlinked by a test)
-        except (posix_ipc.Error, OSError) as exc:
-            raise SegmentError(
-                f"shared-memory segment {self.name!r}: unlink failed: {exc}"
-            ) from exc
+    def close(self) -> None:
+        """Close the descriptor; the mapping (vLLM's tensors) stays valid. Idempotent."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def __repr__(self) -> str:
-        return f"ShmKVSegment({self.name!r}, nbytes={self.nbytes})"
+        return f"MemfdKVSegment({self.name!r}, nbytes={self.nbytes})"
+
+
+class RegistrationChannel:
+    """The worker's connection to the server's registration socket.
+
+    ``handshake`` passes descriptors and returns their tickets, reconnecting first if
+    the socket path changed or the server closed the connection (it restarted).
+    Thread-safe: vLLM's thread and the heartbeat's may both register.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._path: str | None = None
+
+    def handshake(self, path: str, fds: Sequence[int]) -> list[str]:
+        with self._lock:
+            try:
+                return self._exchange(path, fds)
+            except (OSError, ValueError) as first:
+                # A restarted server closed the old connection: one fresh try.
+                self._close()
+                try:
+                    return self._exchange(path, fds)
+                except (OSError, ValueError) as exc:
+                    self._close()
+                    raise SegmentError(
+                        f"passing {len(fds)} KV-cache memfd(s) over {path} failed: {exc}"
+                    ) from first
+
+    def _exchange(self, path: str, fds: Sequence[int]) -> list[str]:
+        if self._sock is None or self._path != path:
+            self._close()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout_s)
+            try:
+                sock.connect(path)
+            except BaseException:
+                sock.close()
+                raise
+            self._sock, self._path = sock, path
+        sock = self._sock
+        socket.send_fds(sock, [HANDSHAKE_MAGIC], list(fds))
+        reply = b""
+        while not reply.endswith(b"\n"):
+            part = sock.recv(REPLY_MAX_BYTES)
+            if not part:
+                raise ConnectionError("the server closed the registration socket")
+            reply += part
+            if len(reply) > REPLY_MAX_BYTES:
+                raise ValueError("handshake reply too long")
+        tickets = decode_reply(reply)
+        if len(tickets) != len(fds):
+            raise ValueError(f"{len(tickets)} tickets for {len(fds)} descriptors")
+        return tickets
+
+    def _close(self) -> None:
+        sock, self._sock, self._path = self._sock, None, None
+        if sock is not None:
+            sock.close()
+
+    def close(self) -> None:
+        """Disconnect: the server then releases every registration made over it."""
+        with self._lock:
+            self._close()

@@ -1,13 +1,18 @@
 """Worker-side adapter: KV cache registration and the step's batched loads/stores.
 
-Runs in each vLLM worker process. At start it unlinks KV segments left by crashed
-workers (best effort), negotiates with its own server (chosen by rank,
-``connector.servers.server_for_rank``), then ``register_kv_caches`` shares the KV
-cache with that server:
+Runs in each vLLM worker process. At start it negotiates with its own server
+(chosen by rank, ``connector.servers.server_for_rank``), then
+``register_kv_caches`` shares the KV cache with that server:
 
-- CPU tensors: their storages move into POSIX shm segments in place
-  (``connector.shm``), so vLLM and the server use the same pages;
+- CPU tensors: their storages move into sealed memfds in place (``connector.shm``),
+  so vLLM and the server use the same pages. Each registration passes the
+  descriptors over the server's registration socket (``GET /register`` names it)
+  for one-time tickets, then registers with those; the socket stays connected for
+  the worker's life, so a dead worker's registration is released by the server;
 - CUDA tensors: IPC handles (``contract.cuda_ipc``, Note [mpcache CUDA IPC invariants]).
+
+The registration's secret (``registration_token``) goes with every store, retrieve,
+unregister and re-registration.
 
 Each step makes at most one ``/cache/retrieve`` (``start_load_kv``) and one
 ``/cache/store`` (``wait_for_save``) call, batching every request of the step.
@@ -34,6 +39,7 @@ client timeout shorter than the one the budget was computed from, breaks the rul
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -44,7 +50,7 @@ import torch
 from connector.alignment import KVLayout, check_chunk_size
 from connector.client import AsyncControlClient, ControlClient, TransportFactory
 from connector.config import ConnectorConfig
-from connector.errors import ConnectorError, LayoutError, ServerError, StartupError
+from connector.errors import LayoutError, SegmentError, ServerError, StartupError
 from connector.heartbeat import AsyncTransportFactory, Heartbeat
 from connector.metadata import StepPlan, TransferOp
 from connector.servers import (
@@ -55,16 +61,17 @@ from connector.servers import (
     renegotiate,
     server_for_rank,
 )
-from connector.shm import ShmKVSegment, segment_name, sweep_stale_worker_segments
+from connector.shm import MemfdKVSegment, RegistrationChannel, memfd_name
 from contract.cuda_ipc import describe as describe_cuda_tensor
 from contract.dtypes import dtype_name
 from contract.schemas import (
     GroupInfo,
     LayerInfo,
+    MemfdTensor,
     NegotiateRequest,
     RegisterRequest,
+    RegisterResponse,
     RetrieveRequest,
-    ShmTensor,
     StoreRequest,
     TensorDescriptor,
 )
@@ -120,15 +127,9 @@ def _block_view(tensor: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, in
     )
 
 
-def _sweep_stale_segments(rank: int) -> None:
-    """Unlink KV segments left by crashed workers; best effort, never raises."""
-    try:
-        removed = sweep_stale_worker_segments()
-    except Exception as exc:
-        logger.warning("mpcache worker rank %d: sweeping stale segments failed: %s", rank, exc)
-        return
-    if removed:
-        logger.info("mpcache worker rank %d: removed %d stale segment(s)", rank, len(removed))
+_SEGMENT_TICKET = "segment:{}"
+"""Placeholder ticket of the i-th memfd in the kept registration; a fresh ticket
+replaces it at each registration (tickets are good for one)."""
 
 
 class WorkerAdapter:
@@ -158,7 +159,6 @@ class WorkerAdapter:
         self.world_size = world_size
         self.num_blocks = num_blocks
         self.alignment = layout.required_alignment
-        _sweep_stale_segments(rank)
         self._spans = [g.token_span for g in layout.cacheable_groups]
         self._single_group = len(layout.groups) == 1
         url = server_for_rank(config.server_urls, rank, world_size)
@@ -173,6 +173,7 @@ class WorkerAdapter:
                 url,
                 timeout_s=config.request_timeout_s,
                 transport=transport(url) if transport else None,
+                api_token=config.api_token,
             ),
             role=f"worker rank {rank}",
         )
@@ -194,8 +195,11 @@ class WorkerAdapter:
             raise
         self.link.mark_healthy(reply.boot_id)
         self.registration: RegisterRequest | None = None
+        """The registration to send, with placeholder tickets (``_with_tickets``)."""
         self.registered = False
-        self.segments: list[ShmKVSegment] = []
+        self.registration_token: str | None = None
+        self.segments: list[MemfdKVSegment] = []
+        self.channel = RegistrationChannel(config.request_timeout_s)
         self._uses_cuda = False
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
@@ -207,6 +211,7 @@ class WorkerAdapter:
             recover=self._recover,
             name=f"mpcache-heartbeat-worker-{rank}",
             transport_factory=async_transport,
+            api_token=config.api_token,
         )
         if start_heartbeat:
             self.heartbeat.start()
@@ -229,11 +234,15 @@ class WorkerAdapter:
         if self.registration is None:
             return
         try:
-            reply = self.link.client.register(self.registration)
+            reply = self._register()
         except ServerError as exc:
             self._call_failed("register", exc, force=True)
             return
-        self.registered = True
+        except SegmentError as exc:
+            logger.warning("mpcache worker rank %d: registration failed: %s", self.rank, exc)
+            self.link.mark_unhealthy(f"register: {exc}")
+            self.heartbeat.wake()
+            return
         logger.info(
             "mpcache worker rank %d: registered %d layers (%d bytes per chunk)",
             self.rank,
@@ -245,7 +254,7 @@ class WorkerAdapter:
         group_of = {
             name: g.group_id for g in self.layout.cacheable_groups for name in g.layer_names
         }
-        segment_of_ptr: dict[int, ShmKVSegment] = {}
+        segment_of_ptr: dict[int, int] = {}
         layers: list[LayerInfo] = []
         for name, value in kv_caches.items():
             group_id = group_of.get(name)
@@ -277,9 +286,7 @@ class WorkerAdapter:
             layers=layers,
         )
 
-    def _describe(
-        self, tensor: torch.Tensor, segment_of_ptr: dict[int, ShmKVSegment]
-    ) -> TensorDescriptor:
+    def _describe(self, tensor: torch.Tensor, segment_of_ptr: dict[int, int]) -> TensorDescriptor:
         view, block_dim = _block_view(tensor, self.num_blocks)
         if view.device.type == "cuda":
             self._uses_cuda = True
@@ -287,13 +294,15 @@ class WorkerAdapter:
         if view.device.type != "cpu":
             raise LayoutError(f"KV tensors on {view.device} are not supported")
         storage = view.untyped_storage()
-        segment = segment_of_ptr.get(storage.data_ptr())
-        if segment is None:
-            segment = ShmKVSegment.adopt(storage, segment_name(self.rank, len(self.segments)))
-            self.segments.append(segment)
-            segment_of_ptr[storage.data_ptr()] = segment
-        return ShmTensor(
-            segment=segment.name,
+        index = segment_of_ptr.get(storage.data_ptr())
+        if index is None:
+            index = len(self.segments)
+            self.segments.append(
+                MemfdKVSegment.adopt(storage, memfd_name(self.rank, len(self.segments)))
+            )
+            segment_of_ptr[storage.data_ptr()] = index
+        return MemfdTensor(
+            ticket=_SEGMENT_TICKET.format(index),
             offset_bytes=view.storage_offset() * view.element_size(),
             shape=list(view.shape),
             stride=list(view.stride()),
@@ -301,13 +310,51 @@ class WorkerAdapter:
             block_dim=block_dim,
         )
 
+    def _with_tickets(self, tickets: Sequence[str]) -> RegisterRequest:
+        """The kept registration with fresh tickets in place of its placeholders."""
+        reg = self.registration
+        assert reg is not None
+        by_placeholder = {_SEGMENT_TICKET.format(i): t for i, t in enumerate(tickets)}
+        layers = [
+            layer.model_copy(
+                update={
+                    "tensors": [
+                        t.model_copy(update={"ticket": by_placeholder[t.ticket]})
+                        if isinstance(t, MemfdTensor)
+                        else t
+                        for t in layer.tensors
+                    ]
+                }
+            )
+            for layer in reg.layers
+        ]
+        return reg.model_copy(update={"layers": layers})
+
+    def _tickets(self, socket_path: str) -> list[str]:
+        """Pass every memfd to the server; their fresh tickets (``SegmentError``)."""
+        if not self.segments:
+            return []
+        return self.channel.handshake(socket_path, [seg.fd for seg in self.segments])
+
+    def _register(self) -> RegisterResponse:
+        """One registration: memfds over the socket, then ``POST /register``."""
+        tickets = self._tickets(self.link.client.registration_info().socket_path)
+        reply = self.link.client.register(
+            self._with_tickets(tickets), registration_token=self.registration_token
+        )
+        self.registration_token = reply.registration_token
+        self.registered = True
+        return reply
+
     def unregister(self) -> None:
-        """Drop the server's registration (bounded); keeps the segments."""
+        """Drop the server's registration (bounded); keeps the memfds."""
         if not self.registered:
             return
         self.registered = False
         try:
-            self.link.client.unregister(self.instance_id, self.server_rank)
+            self.link.client.unregister(
+                self.instance_id, self.server_rank, registration_token=self.registration_token
+            )
         except ServerError as exc:
             logger.debug("mpcache unregister on %s failed: %s", self.link.url, exc)
 
@@ -316,11 +363,11 @@ class WorkerAdapter:
         if self.registration is None or self.registered:
             return
         try:
-            self.link.client.register(self.registration)
+            self._register()
         except ServerError as exc:
             self._call_failed("register", exc, force=True)
-            return
-        self.registered = True
+        except SegmentError as exc:
+            logger.warning("mpcache worker rank %d: registration failed: %s", self.rank, exc)
 
     async def _recover(self, link: ServerLink, client: AsyncControlClient) -> str:
         reply = await renegotiate(
@@ -330,7 +377,12 @@ class WorkerAdapter:
             holder="this worker's registered KV cache",
         )
         if self.registration is not None:
-            await client.register(self.registration)
+            info = await client.registration_info()
+            tickets = await asyncio.to_thread(self._tickets, info.socket_path)
+            registered = await client.register(
+                self._with_tickets(tickets), registration_token=self.registration_token
+            )
+            self.registration_token = registered.registration_token
             self.registered = True
         return reply.boot_id
 
@@ -386,7 +438,9 @@ class WorkerAdapter:
         )
         self._sync_device()
         try:
-            reply = self.link.client.retrieve(body, timeout_s=timeout_s)
+            reply = self.link.client.retrieve(
+                body, timeout_s=timeout_s, registration_token=self.registration_token
+            )
         except ServerError as exc:
             self._call_failed("retrieve", exc)
             for op in loads:
@@ -456,7 +510,9 @@ class WorkerAdapter:
         )
         self._sync_device()
         try:
-            reply = self.link.client.store(body, timeout_s=timeout_s)
+            reply = self.link.client.store(
+                body, timeout_s=timeout_s, registration_token=self.registration_token
+            )
         except ServerError as exc:
             self._call_failed("store", exc)
             return
@@ -467,13 +523,11 @@ class WorkerAdapter:
     # ---------------------------------------------------------------- shutdown
 
     def shutdown(self) -> None:
-        """Stop the heartbeat, unregister, unlink this worker's segments."""
+        """Stop the heartbeat, unregister, disconnect, close this worker's memfds."""
         self.heartbeat.stop()
         if self.link.healthy:
             self.unregister()
+        self.channel.close()
         for segment in self.segments:
-            try:
-                segment.unlink()
-            except ConnectorError as exc:
-                logger.warning("mpcache: %s", exc)
+            segment.close()
         self.link.client.close()

@@ -8,7 +8,8 @@ Both sides import this package; it imports neither of them, nor any web framewor
 - ``tokens``      the compact token form (base64 of little-endian int32)
 - ``chunking``    the chunk-size rule (smallest multiple of the alignment >= minimum)
 - ``dtypes``      tensor dtype names a descriptor may use
-- ``shm_naming``  shared-memory segment names, prefixes, stale judgement, free space
+- ``fdpass``      the registration socket's memfd handshake, seals and limits
+- ``shm_naming``  the pool's segment names, stale judgement, free space
 - ``cuda_ipc``    Note [mpcache CUDA IPC invariants] and the producer's descriptor
 
 Importing it does nothing (no threads, files, sockets or CUDA).

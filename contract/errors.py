@@ -9,6 +9,8 @@ no web imports so pure modules can raise these too.
     ├── InvalidRequest                422  input that parses but cannot be served
     │   ├── InvalidDescriptor         422  a tensor descriptor failed validation
     │   └── SegmentAccessError        422  a shm segment that cannot be opened or mapped
+    ├── Unauthorized                  401  missing or wrong API bearer token
+    ├── Forbidden                     403  a registration used without its token
     ├── NotFound                      404  unknown registration, segment, ...
     │   └── SegmentNotFound           404  no shm segment of that name
     ├── PayloadTooLarge               413  a request body over --max-body-size
@@ -35,6 +37,7 @@ __all__ = [
     "ChunkSizeMismatch",
     "Conflict",
     "FeatureDisabled",
+    "Forbidden",
     "IncompatibleAlignment",
     "InvalidDescriptor",
     "InvalidRequest",
@@ -48,6 +51,7 @@ __all__ = [
     "SegmentNotFound",
     "SessionsFull",
     "SharedMemoryExhausted",
+    "Unauthorized",
     "Unavailable",
     "UnsupportedMediaType",
 ]
@@ -81,6 +85,21 @@ class InvalidDescriptor(InvalidRequest):
 class SegmentAccessError(InvalidRequest):
     title = "Shared-memory segment unusable"
     slug = "segment-access"
+
+
+class Unauthorized(MPCacheError):
+    status = 401
+    title = "Unauthorized"
+    slug = "unauthorized"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": 'Bearer realm="mpcache"'}
+
+
+class Forbidden(MPCacheError):
+    status = 403
+    title = "Forbidden"
+    slug = "forbidden"
 
 
 class NotFound(MPCacheError):

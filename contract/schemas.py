@@ -45,6 +45,7 @@ from contract.tokens import decode_tokens
 __all__ = [
     "MAX_WORLD_SIZE",
     "NULL_BLOCK_ID",
+    "REGISTRATION_TOKEN_HEADER",
     "BindingStatus",
     "BlendChunk",
     "BlendMatchRequest",
@@ -64,15 +65,16 @@ __all__ = [
     "LookupResponse",
     "LookupResult",
     "LookupTarget",
+    "MemfdTensor",
     "NegotiateRequest",
     "NegotiateResponse",
     "Problem",
     "RegisterRequest",
     "RegisterResponse",
+    "RegistrationInfo",
     "RetrieveRequest",
     "RetrieveResponse",
     "RetrieveResult",
-    "ShmTensor",
     "StoreRequest",
     "StoreResponse",
     "StoreResult",
@@ -104,6 +106,12 @@ NonNegativeInt = Annotated[StrictInt, Field(ge=0), _INTEGRAL]
 TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31), _INTEGRAL]
 BlockId = Annotated[StrictInt, Field(ge=0, lt=2**62), _INTEGRAL]
 WorldSize = Annotated[StrictInt, Field(ge=1, le=MAX_WORLD_SIZE), _INTEGRAL]
+Stride = Annotated[StrictInt, Field(ge=0, lt=2**48), _INTEGRAL]
+ByteOffset = Annotated[StrictInt, Field(ge=0, lt=2**52), _INTEGRAL]
+
+REGISTRATION_TOKEN_HEADER = "mpcache-registration-token"
+"""Header carrying the secret ``POST /register`` returned: store, retrieve, DELETE and a
+replacing register of that ``(instance_id, rank)`` need it."""
 
 
 class _Body(BaseModel):
@@ -265,18 +273,22 @@ class GroupInfo(_Body):
     token_span: PositiveInt = Field(description="Tokens covered by one block of the group.")
 
 
-class ShmTensor(_Body):
-    """A CPU tensor inside a POSIX shared-memory segment (zero copy)."""
+class MemfdTensor(_Body):
+    """A CPU tensor inside sealed memory the worker passed over the registration
+    socket (``contract.fdpass``), named by the one-time ticket the handshake returned.
+    Zero copy: the server maps the very pages vLLM uses."""
 
-    transport: Literal["shm"] = "shm"
-    segment: str = Field(
+    transport: Literal["memfd"] = "memfd"
+    ticket: str = Field(
         min_length=1,
-        max_length=200,
-        description="POSIX shm name, with the server's prefix, e.g. 'mpcache-w-…'.",
+        max_length=128,
+        description="One-time ticket the registration socket returned for the memfd "
+        "holding this tensor (docs/design.md s.5.3). All tickets of one registration "
+        "come from one socket connection.",
     )
-    offset_bytes: NonNegativeInt = Field(description="Byte offset of element 0.")
+    offset_bytes: ByteOffset = Field(description="Byte offset of element 0.")
     shape: list[PositiveInt] = Field(min_length=1, max_length=8)
-    stride: list[NonNegativeInt] = Field(description="Strides in elements.")
+    stride: list[Stride] = Field(description="Strides in elements.")
     dtype: str = Field(description="torch dtype name, e.g. 'bfloat16'.")
     block_dim: NonNegativeInt = Field(description="Dimension that indexes blocks.")
 
@@ -295,12 +307,12 @@ class CudaIpcTensor(_Body):
     event_sync_required: bool
     tensor_offset: NonNegativeInt = Field(description="Tensor offset, in elements.")
     shape: list[PositiveInt] = Field(min_length=1, max_length=8)
-    stride: list[NonNegativeInt]
+    stride: list[Stride]
     dtype: str
     block_dim: NonNegativeInt
 
 
-TensorDescriptor = Annotated[ShmTensor | CudaIpcTensor, Field(discriminator="transport")]
+TensorDescriptor = Annotated[MemfdTensor | CudaIpcTensor, Field(discriminator="transport")]
 
 
 class LayerInfo(_Body):
@@ -326,8 +338,8 @@ class RegisterRequest(_Body):
                             "group_id": 0,
                             "tensors": [
                                 {
-                                    "transport": "shm",
-                                    "segment": "mpcache-w-4026531836-4242-r0_0_9f3a",
+                                    "transport": "memfd",
+                                    "ticket": "tk_Jx0r4QmS2w7c5bVd1Q9uEo3yHk8nLp6a",
                                     "offset_bytes": 0,
                                     "shape": [2, 513, 16, 8, 128],
                                     "stride": [8404992, 16384, 1024, 128, 1],
@@ -362,6 +374,7 @@ class RegisterResponse(_Reply):
                     "num_layers": 32,
                     "chunk_bytes": 33554432,
                     "refreshed": False,
+                    "registration_token": "rt_8c4q0mW2yZbT5uNf7pXa3dLk9sJh1gVe6rCo",
                 }
             ]
         }
@@ -373,6 +386,35 @@ class RegisterResponse(_Reply):
     num_layers: int
     chunk_bytes: int = Field(description="Bytes one chunk of this registration occupies.")
     refreshed: bool = Field(description="True when this replaced an earlier registration.")
+    registration_token: str = Field(
+        description="Secret of this registration: send it in the "
+        f"`{REGISTRATION_TOKEN_HEADER}` header of every store, retrieve, DELETE and "
+        "replacing register of this `(instance_id, rank)`. Shown once."
+    )
+
+
+class RegistrationInfo(_Reply):
+    """Where and how to hand KV-cache memory to this server (``contract.fdpass``)."""
+
+    model_config = ConfigDict(
+        frozen=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "socket_path": "/run/user/1000/mpcache-8733-k2f9/register.sock",
+                    "max_fds_per_handshake": 64,
+                    "max_tickets_per_connection": 128,
+                }
+            ]
+        },
+    )
+
+    socket_path: str = Field(
+        description="Unix socket that takes sealed memfds (SCM_RIGHTS) and answers "
+        "one-time tickets; keep the connection open while the registration lives."
+    )
+    max_fds_per_handshake: int
+    max_tickets_per_connection: int
 
 
 # ----------------------------------------------------------------- cache operations

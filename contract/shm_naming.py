@@ -1,23 +1,21 @@
-"""Shared-memory segment names, and the housekeeping both sides agree on.
+"""Shared-memory segment names, and the housekeeping around them.
 
-Every segment mpcache touches is named ``mpcache-<kind>-<pidns>-<pid>-<token>``:
-
-- ``mpcache-pool-<pidns>-<pid>-<token>``: the server's cache pool, created by the server;
-- ``mpcache-w-<pidns>-<pid>-<token>``: a worker's KV cache, created by the connector.
+The one named segment mpcache makes is the server's cache pool,
+``mpcache-pool-<pidns>-<pid>-<token>`` (the scheme is ``mpcache-<kind>-...``).
+Workers' KV caches are never named: they travel as sealed memfds
+(``contract.fdpass``).
 
 ``<pid>`` is the creating process and ``<pidns>`` the identity of its PID namespace
 (the inode of ``/proc/self/ns/pid``; 0 where unknown). Containers that share one
 /dev/shm see each other's segments, but a pid is only meaningful inside its own
 namespace: a segment is judged stale (``stale_segments``, unlinked by
 ``sweep_stale``) only when its ``<pidns>`` is ours and its ``<pid>`` is dead here.
-The server sweeps both kinds at start (``dataplane.segments``); a worker sweeps
-worker segments at its start (``sweep_stale_worker_segments``).
+The server sweeps pools at start (``dataplane.segments``).
 
 ``check_free_space`` turns a /dev/shm too small for a new segment into
 ``SharedMemoryExhausted`` up front (a full tmpfs must be a clear error, never a
 SIGBUS on a later write). Ownership (the creator unlinks, attachers only unmap) is
-enforced by the classes that hold segments: ``dataplane.segments.Segment`` on the
-server, ``connector.shm.ShmKVSegment`` in a worker.
+enforced by the class that holds segments, ``dataplane.segments.Segment``.
 """
 
 from __future__ import annotations
@@ -33,21 +31,18 @@ __all__ = [
     "POOL_PREFIX",
     "SEGMENT_PREFIX",
     "SHM_DIR",
-    "WORKER_PREFIX",
     "check_free_space",
     "fmt_bytes",
     "pid_namespace",
     "segment_name",
     "stale_segments",
     "sweep_stale",
-    "sweep_stale_worker_segments",
 ]
 
 logger = logging.getLogger(__name__)
 
 SEGMENT_PREFIX = "mpcache-"
 POOL_PREFIX = "mpcache-pool-"
-WORKER_PREFIX = "mpcache-w-"
 SHM_DIR = "/dev/shm"
 
 _NAME_RE = re.compile(
@@ -74,7 +69,7 @@ def segment_name(
 ) -> str:
     """A fresh segment name ``mpcache-<kind>-<pidns>-<pid>-<token>``.
 
-    ``kind`` is ``pool`` or ``w``; ``pid`` and ``pidns`` default to this process's,
+    ``kind`` is ``pool`` (tests use others); ``pid`` and ``pidns`` default to this process's,
     ``token`` to a random one (letters, digits, ``_`` and ``.`` only).
     """
     if not re.fullmatch(r"[a-z]+", kind):
@@ -143,11 +138,6 @@ def sweep_stale(prefix: str = POOL_PREFIX, shm_dir: str = SHM_DIR) -> list[str]:
         logger.warning("unlinked stale segment %s (its creator is gone)", name)
         removed.append(name)
     return removed
-
-
-def sweep_stale_worker_segments(shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink stale worker segments (``mpcache-w-...``); for a worker, at its start."""
-    return sweep_stale(WORKER_PREFIX, shm_dir)
 
 
 _POOL_SPACE_ADVICE = (

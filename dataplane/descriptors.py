@@ -1,58 +1,38 @@
 """Tensor descriptors: validate everything, then map, then build zero-copy views.
 
-A registration's descriptors are checked in full before any segment is mapped:
+A registration's descriptors are checked in full before any view is built:
 
 1. pure checks (``tensor_geometry``): dtype known, stride rank matches shape,
    ``block_dim`` valid, no aliasing stride, offset aligned to the dtype;
-2. for ``shm``: the name carries the worker prefix and is a plain name (no ``/``,
-   no ``..``), the segment exists, and every view lies inside it;
-3. only then are segments mapped (``map_shm``), each once per registration.
+2. for ``memfd``: the tickets were redeemed (once, all from one connection of the
+   registration socket: ``dataplane.fdgate``, which mapped the sealed memory when
+   the worker passed it), and every view lies inside its memory (``map_memfds``).
 
-Any failure raises ``InvalidDescriptor`` (422) naming the layer and tensor, with
-a ``reason`` code, and leaves nothing mapped.
+Nothing is ever opened by name. Any failure raises ``InvalidDescriptor`` (422)
+naming the layer and tensor, with a ``reason`` code, and leaves nothing mapped.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from contract.dtypes import dtype_name, parse_dtype
-from contract.errors import InvalidDescriptor, MPCacheError
-from contract.schemas import CudaIpcTensor, ShmTensor
-from contract.shm_naming import WORKER_PREFIX
-from dataplane.segments import Segment
+from contract.errors import InvalidDescriptor
+from contract.schemas import CudaIpcTensor, MemfdTensor
+from dataplane.fdgate import SealedMemory
 
 __all__ = [
-    "ShmMapping",
+    "MemfdMapping",
+    "Redeemed",
     "TensorGeometry",
-    "check_shm_name",
-    "map_shm",
-    "shm_view",
+    "map_memfds",
+    "memfd_view",
     "tensor_geometry",
 ]
-
-_NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
-
-
-def check_shm_name(name: str, where: str = "tensor") -> None:
-    """Refuse any segment name that is not a plain ``mpcache-w-...`` name."""
-    if (
-        not name.startswith(WORKER_PREFIX)
-        or "/" in name
-        or ".." in name
-        or _NAME_RE.fullmatch(name) is None
-    ):
-        raise InvalidDescriptor(
-            f"{where}: segment name {name!r} is not allowed; worker segments are plain "
-            f"names starting with {WORKER_PREFIX!r} (no '/' or '..')",
-            reason="bad-segment-name",
-            segment=name,
-        )
 
 
 @dataclass(frozen=True)
@@ -66,7 +46,7 @@ class TensorGeometry:
     stride: tuple[int, ...]
     block_dim: int
     offset_bytes: int
-    """Byte offset of element 0 from the start of its segment or storage."""
+    """Byte offset of element 0 from the start of its memory or storage."""
 
     @property
     def end_bytes(self) -> int:
@@ -75,7 +55,7 @@ class TensorGeometry:
         return self.offset_bytes + (last + 1) * self.itemsize
 
 
-def tensor_geometry(desc: ShmTensor | CudaIpcTensor, where: str = "tensor") -> TensorGeometry:
+def tensor_geometry(desc: MemfdTensor | CudaIpcTensor, where: str = "tensor") -> TensorGeometry:
     """Pure checks of one descriptor's shape, stride, dtype and block dimension."""
     dtype = parse_dtype(desc.dtype, where)
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -96,7 +76,7 @@ def tensor_geometry(desc: ShmTensor | CudaIpcTensor, where: str = "tensor") -> T
             f"stride {list(stride)})",
             reason="bad-geometry",
         )
-    if isinstance(desc, ShmTensor):
+    if isinstance(desc, MemfdTensor):
         offset_bytes = desc.offset_bytes
     else:
         offset_bytes = desc.tensor_offset * itemsize
@@ -108,6 +88,12 @@ def tensor_geometry(desc: ShmTensor | CudaIpcTensor, where: str = "tensor") -> T
         )
     if math.prod(shape) > 1 << 48:
         raise InvalidDescriptor(f"{where}: shape {list(shape)} is too large", reason="too-large")
+    if any(s >= 1 << 48 for s in stride) or offset_bytes >= 1 << 52:
+        # torch's strides and offsets are int64: larger ones would overflow its maths.
+        raise InvalidDescriptor(
+            f"{where}: stride {list(stride)} or offset {offset_bytes} is too large",
+            reason="too-large",
+        )
     return TensorGeometry(
         dtype=dtype,
         dtype_name=dtype_name(dtype),
@@ -119,65 +105,59 @@ def tensor_geometry(desc: ShmTensor | CudaIpcTensor, where: str = "tensor") -> T
     )
 
 
-class ShmMapping:
-    """The shm segments one registration maps, each attached once.
+class MemfdMapping:
+    """The sealed memories one registration maps, by ticket (``dataplane.fdgate``).
 
-    ``close`` unmaps them all (attached segments are never unlinked).
+    ``close`` unmaps them all; the worker still holds its own mappings.
     """
 
-    def __init__(self, segments: dict[str, Segment]) -> None:
-        self.segments = segments
+    def __init__(self, conn_id: int, memories: dict[str, SealedMemory]) -> None:
+        self.conn_id = conn_id
+        self.memories = memories
         self.bases: dict[str, torch.Tensor] = {
-            name: torch.frombuffer(seg.buffer, dtype=torch.uint8) for name, seg in segments.items()
+            ticket: torch.frombuffer(mem.buffer, dtype=torch.uint8)
+            for ticket, mem in memories.items()
         }
 
     def close(self) -> None:
         self.bases.clear()
-        for seg in self.segments.values():
-            seg.close()
+        for mem in self.memories.values():
+            mem.close()
 
 
-def map_shm(checked: Iterable[tuple[str, ShmTensor, TensorGeometry]]) -> ShmMapping:
-    """Check names and bounds of every shm descriptor, then map their segments.
+Redeemed = tuple[int, dict[str, SealedMemory]]
+"""What ``FdGate.take`` returns: the connection id, and each ticket's memory."""
+
+
+def map_memfds(
+    checked: Iterable[tuple[str, MemfdTensor, TensorGeometry]], redeemed: Redeemed
+) -> MemfdMapping:
+    """Check every view lies inside the memory its (redeemed) ticket names. Nothing
+    stays mapped on failure.
 
     ``checked`` holds ``(where, descriptor, geometry)`` triples whose geometry
-    ``tensor_geometry`` already validated. Nothing is mapped unless all pass.
+    ``tensor_geometry`` already validated.
     """
-    need: dict[str, int] = {}
     items = list(checked)
-    for where, desc, geo in items:
-        check_shm_name(desc.segment, where)
-        need[desc.segment] = max(need.get(desc.segment, 0), geo.end_bytes)
-    sizes: dict[str, int] = {}
-    for name in need:
-        try:
-            sizes[name] = Segment.probe(name)
-        except MPCacheError as exc:
-            where = next(w for w, d, _ in items if d.segment == name)
-            raise InvalidDescriptor(
-                f"{where}: {exc.detail}", reason="unknown-segment", segment=name
-            ) from exc
-    for where, desc, geo in items:
-        if geo.end_bytes > sizes[desc.segment]:
-            raise InvalidDescriptor(
-                f"{where}: the view ends at byte {geo.end_bytes} but segment "
-                f"{desc.segment!r} holds {sizes[desc.segment]} bytes",
-                reason="out-of-bounds",
-                segment=desc.segment,
-            )
-    segments: dict[str, Segment] = {}
+    conn_id, memories = redeemed
     try:
-        for name, min_size in need.items():
-            segments[name] = Segment.attach(name, min_size_bytes=min_size)
-    except MPCacheError as exc:
-        for seg in segments.values():
-            seg.close()
-        raise InvalidDescriptor(exc.detail, reason="unmappable") from exc
-    return ShmMapping(segments)
+        for where, desc, geo in items:
+            size = memories[desc.ticket].size_bytes
+            if geo.end_bytes > size:
+                raise InvalidDescriptor(
+                    f"{where}: the view ends at byte {geo.end_bytes} but its memfd holds "
+                    f"{size} bytes",
+                    reason="out-of-bounds",
+                )
+        return MemfdMapping(conn_id, memories)
+    except BaseException:
+        for mem in memories.values():
+            mem.close()
+        raise
 
 
-def shm_view(base: torch.Tensor, geo: TensorGeometry) -> torch.Tensor:
-    """Zero-copy view of a validated tensor over its segment's uint8 ``base``."""
+def memfd_view(base: torch.Tensor, geo: TensorGeometry) -> torch.Tensor:
+    """Zero-copy view of a validated tensor over its memory's uint8 ``base``."""
     usable = base.numel() - base.numel() % geo.itemsize
     typed = base[:usable].view(geo.dtype)
     return typed.as_strided(geo.shape, geo.stride, geo.offset_bytes // geo.itemsize)

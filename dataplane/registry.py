@@ -1,34 +1,47 @@
 """Registered worker KV caches, keyed by ``(instance_id, rank)``.
 
 ``build_registration`` validates a ``RegisterRequest`` in full (groups, layers,
-every descriptor) before it maps anything, then maps each shm segment once and
-opens each CUDA IPC handle (see Note [mpcache CUDA IPC invariants]).
+every descriptor) before it builds any view, then redeems the memfd tickets
+(``dataplane.fdgate``: the memory was mapped when the worker passed it) and opens
+each CUDA IPC handle (see Note [mpcache CUDA IPC invariants]).
 
-``Registry`` holds at most one registration per ``(instance_id, rank)``: a repeat
-replaces it (idempotent refresh, e.g. after a server or worker restart). A
-replaced or unregistered registration releases its mappings as soon as no
-transfer is using it (``acquire`` counts users), so a copy in flight never loses
-its memory.
+``Registry`` holds at most one registration per ``(instance_id, rank)``. Ownership:
+each registration has a secret ``token`` (returned once by ``POST /register``);
+using it (``acquire``), replacing it (``add``) or removing it (``remove``) needs
+that token, compared in constant time. Liveness: a registration made from memfds
+belongs to the socket connection its tickets came from, and ``release_connection``
+drops every registration of a closed connection (a dead worker). A replaced,
+removed or dropped registration releases its mappings as soon as no transfer is
+using it (``acquire`` counts users), so a copy in flight never loses its memory.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
-from contract.errors import InvalidRequest, NotFound, Unavailable
-from contract.schemas import CudaIpcTensor, RegisterRequest, ShmTensor
+from contract.errors import Forbidden, InvalidRequest, NotFound, Unavailable
+from contract.schemas import REGISTRATION_TOKEN_HEADER, CudaIpcTensor, MemfdTensor, RegisterRequest
 from dataplane import cuda_ipc
-from dataplane.descriptors import ShmMapping, TensorGeometry, map_shm, shm_view, tensor_geometry
+from dataplane.descriptors import (
+    MemfdMapping,
+    Redeemed,
+    TensorGeometry,
+    map_memfds,
+    memfd_view,
+    tensor_geometry,
+)
 from dataplane.layout import BlockTensorSpec, ChunkLayout, GroupSpec, chunk_layout
 from dataplane.transfer import TensorPlan, make_plan
 
-__all__ = ["Registration", "Registry", "build_registration"]
+__all__ = ["Registration", "Registry", "build_registration", "memfd_tickets"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +56,9 @@ class Registration:
     plans: tuple[TensorPlan, ...]
     group_num_blocks: tuple[int, ...]
     """Per group (layout order): blocks every tensor of the group can index."""
-    mapping: ShmMapping | None
+    mapping: MemfdMapping | None
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
+    """The secret that uses, replaces or removes this registration."""
     users: int = 0
     retired: bool = False
     released: bool = field(default=False)
@@ -52,8 +67,16 @@ class Registration:
     def chunk_bytes(self) -> int:
         return self.layout.chunk_bytes
 
+    @property
+    def conn_id(self) -> int | None:
+        """The registration-socket connection whose life bounds this one's (memfds)."""
+        return None if self.mapping is None else self.mapping.conn_id
+
+    def holds(self, token: str | None) -> bool:
+        return token is not None and hmac.compare_digest(token.encode(), self.token.encode())
+
     def release(self) -> None:
-        """Drop every view, unmap every segment, close CUDA IPC tensors."""
+        """Drop every view, unmap every memfd, close CUDA IPC tensors."""
         if self.released:
             return
         self.released = True
@@ -63,8 +86,16 @@ class Registration:
             self.mapping = None
 
 
-def build_registration(req: RegisterRequest) -> Registration:
-    """Validate ``req`` and map its tensors (nothing is mapped if anything is invalid)."""
+def memfd_tickets(req: RegisterRequest) -> set[str]:
+    """The tickets ``req``'s memfd tensors name."""
+    return {t.ticket for layer in req.layers for t in layer.tensors if isinstance(t, MemfdTensor)}
+
+
+def build_registration(req: RegisterRequest, redeemed: Redeemed | None) -> Registration:
+    """Validate ``req`` and map its tensors (nothing stays mapped if anything is invalid).
+
+    ``redeemed`` holds the memories of ``memfd_tickets(req)`` (``FdGate.take``); the
+    caller closes them if this raises."""
     if req.rank >= req.world_size:
         raise InvalidRequest(
             f"rank {req.rank} is outside world_size {req.world_size}",
@@ -77,7 +108,7 @@ def build_registration(req: RegisterRequest) -> Registration:
     if len(set(names)) != len(names):
         raise InvalidRequest("layer names must be unique within a registration")
     specs: list[BlockTensorSpec] = []
-    checked: list[tuple[str, ShmTensor | CudaIpcTensor, TensorGeometry]] = []
+    checked: list[tuple[str, MemfdTensor | CudaIpcTensor, TensorGeometry]] = []
     for layer in req.layers:
         if layer.group_id not in group_ids:
             raise InvalidRequest(
@@ -106,14 +137,16 @@ def build_registration(req: RegisterRequest) -> Registration:
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc
 
-    shm = [(w, d, g) for w, d, g in checked if isinstance(d, ShmTensor)]
-    mapping = map_shm(shm) if shm else None
+    memfd = [(w, d, g) for w, d, g in checked if isinstance(d, MemfdTensor)]
+    if memfd and redeemed is None:
+        raise InvalidRequest("memfd tensors need their tickets redeemed")
+    mapping = map_memfds(memfd, redeemed) if memfd and redeemed is not None else None
     try:
         tensors: list[torch.Tensor] = []
         for where, desc, geo in checked:
-            if isinstance(desc, ShmTensor):
+            if isinstance(desc, MemfdTensor):
                 assert mapping is not None
-                tensors.append(shm_view(mapping.bases[desc.segment], geo))
+                tensors.append(memfd_view(mapping.bases[desc.ticket], geo))
             else:
                 tensors.append(cuda_ipc.rebuild(desc, geo, where))
         plans = tuple(
@@ -157,17 +190,42 @@ class Registry:
         with self._lock:
             return len(self._regs)
 
-    def add(self, reg: Registration) -> bool:
-        """Install ``reg``, replacing any earlier one for its key; True if replaced."""
+    def add(
+        self,
+        reg: Registration,
+        *,
+        token: str | None = None,
+        alive: Callable[[int], bool] | None = None,
+    ) -> bool:
+        """Install ``reg``, replacing any earlier one for its key; True if replaced.
+
+        Replacing needs the earlier registration's ``token`` (``Forbidden``
+        otherwise). ``alive`` says whether ``reg``'s socket connection is still open,
+        checked under the lock that ``release_connection`` takes, so a registration
+        whose worker died while it was being built is never installed.
+        """
+        key = (reg.instance_id, reg.rank)
+        refusal: Exception | None = None
+        release = False
         with self._lock:
-            closed = self._closed
-            old = None if closed else self._regs.get((reg.instance_id, reg.rank))
-            if not closed:
-                self._regs[(reg.instance_id, reg.rank)] = reg
-            release = old is not None and self._retire(old)
-        if closed:
+            old = self._regs.get(key)
+            if self._closed:
+                refusal = Unavailable(
+                    "the server is shutting down; register again after it restarts"
+                )
+            elif old is not None and not old.holds(token):
+                refusal = _forbidden(reg.instance_id, reg.rank, "replace")
+            elif reg.conn_id is not None and alive is not None and not alive(reg.conn_id):
+                refusal = InvalidRequest(
+                    "the registration socket connection that passed this memory closed; "
+                    "connect again and register with fresh tickets"
+                )
+            else:
+                self._regs[key] = reg
+                release = old is not None and self._retire(old)
+        if refusal is not None:
             reg.release()
-            raise Unavailable("the server is shutting down; register again after it restarts")
+            raise refusal
         if release and old is not None:
             old.release()
         return old is not None
@@ -178,26 +236,52 @@ class Registry:
         reg.retired = True
         return reg.users == 0
 
-    def remove(self, instance_id: str, rank: int) -> bool:
+    def remove(self, instance_id: str, rank: int, token: str | None) -> None:
+        """Remove a registration (its ``token`` needed); ``NotFound``/``Forbidden``."""
         with self._lock:
-            old = self._regs.pop((instance_id, rank), None)
-            release = old is not None and self._retire(old)
-        if release and old is not None:
+            old = self._owned(instance_id, rank, token, "unregister")
+            del self._regs[(instance_id, rank)]
+            release = self._retire(old)
+        if release:
             old.release()
-        return old is not None
+
+    def release_connection(self, conn_id: int) -> int:
+        """Drop every registration made over socket connection ``conn_id`` (closed:
+        its worker exited or died); each unmaps once no copy uses it. How many."""
+        with self._lock:
+            keys = [k for k, reg in self._regs.items() if reg.conn_id == conn_id]
+            dropped = [self._regs.pop(k) for k in keys]
+            now = [reg for reg in dropped if self._retire(reg)]
+        for reg in now:
+            reg.release()
+        for reg in dropped:
+            logger.info(
+                "released instance %r rank %d: its worker's registration socket closed",
+                reg.instance_id,
+                reg.rank,
+            )
+        return len(dropped)
+
+    def _owned(self, instance_id: str, rank: int, token: str | None, action: str) -> Registration:
+        """The registration of ``(instance_id, rank)`` if ``token`` is its own (lock held)."""
+        reg = self._regs.get((instance_id, rank))
+        if reg is None:
+            raise NotFound(
+                f"no KV cache is registered for instance {instance_id!r} rank {rank}; "
+                "register it first (POST /register)",
+                instance_id=instance_id,
+                rank=rank,
+            )
+        if not reg.holds(token):
+            raise _forbidden(instance_id, rank, action)
+        return reg
 
     @contextmanager
-    def acquire(self, instance_id: str, rank: int) -> Iterator[Registration]:
-        """The live registration, kept mapped until the ``with`` block ends."""
+    def acquire(self, instance_id: str, rank: int, token: str | None) -> Iterator[Registration]:
+        """The live registration (its ``token`` needed), kept mapped until the
+        ``with`` block ends."""
         with self._lock:
-            reg = self._regs.get((instance_id, rank))
-            if reg is None:
-                raise NotFound(
-                    f"no KV cache is registered for instance {instance_id!r} rank {rank}; "
-                    "register it first (POST /register)",
-                    instance_id=instance_id,
-                    rank=rank,
-                )
+            reg = self._owned(instance_id, rank, token, "use")
             reg.users += 1
         try:
             yield reg
@@ -217,3 +301,13 @@ class Registry:
         for reg in regs:
             reg.retired = True
             reg.release()
+
+
+def _forbidden(instance_id: str, rank: int, action: str) -> Forbidden:
+    return Forbidden(
+        f"instance {instance_id!r} rank {rank} is registered by another client; to "
+        f"{action} it, send its registration token (returned by POST /register) in the "
+        f"{REGISTRATION_TOKEN_HEADER} header",
+        instance_id=instance_id,
+        rank=rank,
+    )

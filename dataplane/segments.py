@@ -1,13 +1,13 @@
-"""POSIX shared-memory segments on the server: ``Segment`` (create, attach, close).
+"""POSIX shared-memory segments on the server: ``Segment`` (create, close).
 
 Names, prefixes, the stale judgement and the /dev/shm free-space check are the
 contract's (``contract.shm_naming``); this module holds the server's mappings.
 
 Ownership (enforced by ``Segment``): the creator owns a segment and is the only
-process that unlinks it; ``close`` of an owner unmaps and unlinks, ``close`` of an
-attacher only unmaps. The server creates only its pool; it attaches worker
-segments and never unlinks them (except stale ones, whose creator is gone: the
-server sweeps both kinds at start, ``sweep_stale_segments``).
+process that unlinks it; ``close`` unmaps and unlinks. The server's only segment is
+its pool; pools of crashed servers are swept at start (``sweep_stale_segments``).
+Workers' KV caches never come by name: they arrive as sealed memfds
+(``dataplane.fdgate``).
 
 posix_ipc and OS errors are translated to ``contract.errors`` here and nowhere else.
 """
@@ -23,16 +23,14 @@ import mmap
 import os
 import sys
 import threading
-from collections.abc import Iterator
 
 import posix_ipc
 
-from contract.errors import SegmentAccessError, SegmentNotFound, SharedMemoryExhausted
+from contract.errors import SegmentAccessError, SharedMemoryExhausted
 from contract.shm_naming import (
     POOL_PREFIX,
     SEGMENT_PREFIX,
     SHM_DIR,
-    WORKER_PREFIX,
     check_free_space,
     fmt_bytes,
     sweep_stale,
@@ -42,7 +40,7 @@ __all__ = ["SWEPT_PREFIXES", "Segment", "sweep_stale_segments"]
 
 logger = logging.getLogger(__name__)
 
-SWEPT_PREFIXES = (POOL_PREFIX, WORKER_PREFIX)
+SWEPT_PREFIXES = (POOL_PREFIX,)
 """The kinds of segment the server sweeps at start."""
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not exported by Python's mmap module
@@ -50,7 +48,7 @@ _PREFAULT_STEP_BYTES = 64 << 20
 
 
 def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink stale pool *and* worker segments (the server, at start)."""
+    """Unlink stale pool segments (the server, at start)."""
     return [name for prefix in SWEPT_PREFIXES for name in sweep_stale(prefix, shm_dir)]
 
 
@@ -66,10 +64,9 @@ class Segment:
     hold (the pool: fixed pages; a worker: its KV cache tensors).
 
     Ownership: ``create`` makes the caller the owner; ``close`` then unmaps *and*
-    unlinks. ``attach`` maps an existing segment; ``close`` only unmaps. ``close``
-    is idempotent. Views made with ``torch.frombuffer`` keep the mapping alive: if
-    any still exist at ``close``, the unmap happens when the last one goes (the
-    name is still unlinked at once by an owner), so no view ever dangles.
+    unlinks. ``close`` is idempotent. Views made with ``torch.frombuffer`` keep the
+    mapping alive: if any still exist at ``close``, the unmap happens when the last
+    one goes (the name is still unlinked at once), so no view ever dangles.
     """
 
     def __init__(self, name: str, mm: mmap.mmap, size_bytes: int, owner: bool) -> None:
@@ -124,29 +121,6 @@ class Segment:
             raise
         shm.close_fd()
         return cls(name, mm, size_bytes, owner=True)
-
-    @staticmethod
-    def probe(name: str) -> int:
-        """Size in bytes of an existing segment, without mapping it."""
-        with _opened(name) as shm:
-            return int(os.fstat(shm.fd).st_size)
-
-    @classmethod
-    def attach(cls, name: str, *, min_size_bytes: int = 0) -> Segment:
-        """Map an existing segment (not owned: ``close`` never unlinks it)."""
-        with _opened(name) as shm:
-            size = int(os.fstat(shm.fd).st_size)
-            if size < max(min_size_bytes, 1):
-                raise SegmentAccessError(
-                    f"segment {name!r} holds {size} bytes, fewer than the "
-                    f"{min_size_bytes} its descriptors need",
-                    segment=name,
-                )
-            try:
-                mm = mmap.mmap(shm.fd, size)
-            except OSError as exc:
-                raise SegmentAccessError(f"cannot map segment {name!r}: {exc}") from exc
-        return cls(name, mm, size, owner=False)
 
     def close(self) -> None:
         with self._lock:
@@ -208,25 +182,3 @@ def _libc_madvise() -> ctypes._NamedFuncPointer | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
-
-
-@contextlib.contextmanager
-def _opened(name: str) -> Iterator[posix_ipc.SharedMemory]:
-    _check_name(name)
-    try:
-        shm = posix_ipc.SharedMemory("/" + name)
-    except posix_ipc.ExistentialError as exc:
-        raise SegmentNotFound(f"no shared-memory segment named {name!r}", segment=name) from exc
-    except posix_ipc.PermissionsError as exc:
-        # vLLM's workers create their segments with mode 0600 (connector/shm.py).
-        raise SegmentAccessError(
-            f"cannot open segment {name!r}: {exc}; it belongs to another user: run the "
-            f"mpcache server as the same uid as vLLM (this server runs as uid {os.getuid()})",
-            segment=name,
-        ) from exc
-    except (posix_ipc.Error, OSError) as exc:
-        raise SegmentAccessError(f"cannot open segment {name!r}: {exc}", segment=name) from exc
-    try:
-        yield shm
-    finally:
-        shm.close_fd()

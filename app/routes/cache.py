@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from app.bodies import json_body_doc, read_json
-from app.deps import ReceivedAtDep, RuntimeDep
+from app.deps import GUARDED, GUARDED_RESPONSES, ReceivedAtDep, RegistrationTokenDep, RuntimeDep
 from app.problems import problem_doc
 from app.state import Runtime
 from contract.errors import UnsupportedMediaType
@@ -50,6 +50,7 @@ _JSON_ONLY: dict[int | str, dict[str, Any]] = {415: problem_doc("A body that is 
 _TRANSFER_ERRORS: dict[int | str, dict[str, Any]] = {
     **_NOT_NEGOTIATED,
     **_JSON_ONLY,
+    403: problem_doc("Not this registration's token"),
     404: problem_doc("No registration for this instance and rank"),
     422: problem_doc("Malformed request, or an item that cannot be served"),
     503: problem_doc("The server is shutting down, or the body decoder restarted; retry"),
@@ -137,6 +138,7 @@ def _serve_json_lookup(runtime: Runtime, req: LookupRequest) -> LookupResponse:
 
 @router.post(
     "/lookup",
+    dependencies=GUARDED,
     response_model=LookupResponse,
     summary="How many leading tokens are cached",
     description=(
@@ -148,6 +150,7 @@ def _serve_json_lookup(runtime: Runtime, req: LookupRequest) -> LookupResponse:
         "connector sends."
     ),
     responses={
+        **GUARDED_RESPONSES,
         **_NOT_NEGOTIATED,
         415: problem_doc("A body that is neither JSON nor the binary form"),
         422: problem_doc("Malformed request"),
@@ -176,6 +179,7 @@ async def lookup(request: Request, runtime: RuntimeDep) -> Response:
 
 @router.post(
     "/store",
+    dependencies=GUARDED,
     response_model=StoreResponse,
     summary="Copy whole chunks from a registered KV cache into the cache",
     description=(
@@ -185,16 +189,24 @@ async def lookup(request: Request, runtime: RuntimeDep) -> Response:
         "`timeout_s`, no chunk is committed once that long has passed since the request "
         "arrived (a copy that ends late is discarded); the rest count as `failed_chunks`."
     ),
-    responses=_TRANSFER_ERRORS,
+    responses={**GUARDED_RESPONSES, **_TRANSFER_ERRORS},
     openapi_extra=json_body_doc(StoreRequest),
 )
-async def store(request: Request, runtime: RuntimeDep, received: ReceivedAtDep) -> StoreResponse:
+async def store(
+    request: Request,
+    runtime: RuntimeDep,
+    received: ReceivedAtDep,
+    token: RegistrationTokenDep = None,
+) -> StoreResponse:
     body = await read_json(request, StoreRequest)
-    return await run_in_threadpool(lambda: runtime.cache.store(body, received_at=received))
+    return await run_in_threadpool(
+        lambda: runtime.cache.store(body, received_at=received, token=token)
+    )
 
 
 @router.post(
     "/retrieve",
+    dependencies=GUARDED,
     response_model=RetrieveResponse,
     summary="Copy cached chunks into a registered KV cache",
     description=(
@@ -205,22 +217,32 @@ async def store(request: Request, runtime: RuntimeDep, received: ReceivedAtDep) 
         "miss, never partial data. With `timeout_s`, no chunk's copy starts once that "
         "long has passed since the request arrived; the blocks left are listed as failed."
     ),
-    responses=_TRANSFER_ERRORS,
+    responses={**GUARDED_RESPONSES, **_TRANSFER_ERRORS},
     openapi_extra=json_body_doc(RetrieveRequest),
 )
 async def retrieve(
-    request: Request, runtime: RuntimeDep, received: ReceivedAtDep
+    request: Request,
+    runtime: RuntimeDep,
+    received: ReceivedAtDep,
+    token: RegistrationTokenDep = None,
 ) -> RetrieveResponse:
     body = await read_json(request, RetrieveRequest)
-    return await run_in_threadpool(lambda: runtime.cache.retrieve(body, received_at=received))
+    return await run_in_threadpool(
+        lambda: runtime.cache.retrieve(body, received_at=received, token=token)
+    )
 
 
 @router.post(
     "/end",
+    dependencies=GUARDED,
     response_model=EndSessionsResponse,
     summary="End request sessions",
     description="Drop the sessions of finished requests and release their leases.",
-    responses={**_JSON_ONLY, 503: problem_doc("The body decoder restarted; retry")},
+    responses={
+        **GUARDED_RESPONSES,
+        **_JSON_ONLY,
+        503: problem_doc("The body decoder restarted; retry"),
+    },
     openapi_extra=json_body_doc(EndSessionsRequest),
 )
 async def end(request: Request, runtime: RuntimeDep) -> EndSessionsResponse:
@@ -229,6 +251,7 @@ async def end(request: Request, runtime: RuntimeDep) -> EndSessionsResponse:
 
 @router.post(
     "/blend/match",
+    dependencies=GUARDED,
     response_model=BlendMatchResponse,
     summary="Which chunks of a token sequence are cached anywhere (CacheBlend)",
     description=(
@@ -237,6 +260,7 @@ async def end(request: Request, runtime: RuntimeDep) -> EndSessionsResponse:
         "any position. Needs `--enable-blend`."
     ),
     responses={
+        **GUARDED_RESPONSES,
         **_JSON_ONLY,
         409: problem_doc("Blend matcher disabled, or no final chunk size"),
         422: problem_doc("Malformed request"),

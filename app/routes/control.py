@@ -7,7 +7,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app import __version__
 from app.bodies import json_body_doc, read_json
-from app.deps import RuntimeDep
+from app.deps import GUARDED, GUARDED_RESPONSES, RuntimeDep
 from app.problems import problem_doc
 from app.state import Runtime
 from contract.schemas import (
@@ -24,6 +24,7 @@ router = APIRouter(tags=["control"])
 
 @router.post(
     "/negotiate",
+    dependencies=GUARDED,
     response_model=NegotiateResponse,
     summary="Negotiate the chunk size",
     description=(
@@ -32,6 +33,7 @@ router = APIRouter(tags=["control"])
         "only after the size is bound to every chunk-dependent part."
     ),
     responses={
+        **GUARDED_RESPONSES,
         409: problem_doc("Incompatible alignment, or resize after sessions"),
         415: problem_doc("A body that is not JSON"),
         422: problem_doc("Malformed or out-of-range input"),

@@ -51,6 +51,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         require_vllm()
 
 
+@pytest.fixture(autouse=True)
+def _close_fake_gates() -> Iterator[None]:
+    """Fakes' registration sockets (``tests.connector.fakes``) end with each test."""
+    yield
+    from tests.connector.fakes import close_gates
+
+    close_gates()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model folder holding only a tiny ``config.json`` (no weights, no tokenizer)."""

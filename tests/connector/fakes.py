@@ -4,15 +4,21 @@
 form of ``contract.frames``) through ``httpx.MockTransport`` for both the blocking
 and the async client (``lookup_gate`` can hold lookups back), keeps chunks as
 prefix keys per (namespace, rank), and can be taken down or "restarted" (new
-boot_id, forgotten state, optionally another minimum chunk size).
+boot_id, forgotten state, optionally another minimum chunk size). Its registration
+socket is the server's real one (``dataplane.fdgate``, started on the first
+``GET /register``; ``close_gates`` stops them all): workers pass real memfds and
+the fake redeems their tickets. It hands out registration tokens and checks them.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
+import tempfile
 import threading
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,14 +26,25 @@ import numpy as np
 
 from contract.frames import LOOKUP_FRAME_MEDIA_TYPE, decode_lookup_frame
 from contract.schemas import (
+    REGISTRATION_TOKEN_HEADER,
     EndSessionsRequest,
     LookupRequest,
+    MemfdTensor,
     NegotiateRequest,
     RegisterRequest,
     RetrieveRequest,
     StoreRequest,
 )
+from dataplane.fdgate import FdGate
 from tests.support import wait_until
+
+_GATES: list[FdGate] = []
+
+
+def close_gates() -> None:
+    """Stop every registration socket fakes started (a fixture calls it after each test)."""
+    while _GATES:
+        _GATES.pop().close()
 
 
 def _problem(status: int, detail: str, **extra: Any) -> httpx.Response:
@@ -48,6 +65,9 @@ class FakeServer:
         # Cleared: lookups wait until it is set again.
         self.lookup_gate = threading.Event()
         self.lookup_gate.set()
+        self.gate: FdGate | None = None
+        self.redeemed: list[int] = []  # per registration: memfds redeemed
+        self._headers: httpx.Headers = httpx.Headers()
         self._boot()
 
     def _boot(self) -> None:
@@ -55,6 +75,7 @@ class FakeServer:
         self.chunk_size: int | None = None
         self.chunks: set[tuple[str, int, bytes]] = set()
         self.registrations: dict[tuple[str, int], RegisterRequest] = {}
+        self.tokens: dict[tuple[str, int], str] = {}
         self.ended: list[str] = []
 
     def restart(self, min_chunk_size: int | None = None) -> None:
@@ -95,6 +116,7 @@ class FakeServer:
             else:
                 body = json.loads(request.content) if request.content else None
             self.calls.append((request.method, path, body))
+            self._headers = request.headers
             self.client_timeouts.append((path, dict(request.extensions.get("timeout", {}))))
             injected = self.fail_next.pop(path, None)
             if injected is not None:
@@ -132,15 +154,48 @@ class FakeServer:
                     "boot_id": self.boot_id,
                 },
             )
+        if path == "/register" and method == "GET":
+            if self.gate is None:
+                folder = Path(tempfile.mkdtemp(prefix="mpcache-fake-"))
+                self.gate = FdGate(
+                    folder / "r.sock", on_disconnect=lambda _: None, owns_directory=True
+                )
+                self.gate.start()
+                _GATES.append(self.gate)
+            return httpx.Response(
+                200,
+                json={
+                    "socket_path": str(self.gate.path),
+                    "max_fds_per_handshake": 64,
+                    "max_tickets_per_connection": 128,
+                },
+            )
         if self.chunk_size is None:
             return _problem(409, "not negotiated")
+        token = self._headers.get(REGISTRATION_TOKEN_HEADER)
         if path == "/register" and method == "POST":
             reg = RegisterRequest.model_validate(body)
+            tickets = {
+                t.ticket for la in reg.layers for t in la.tensors if isinstance(t, MemfdTensor)
+            }
+            if tickets:
+                if self.gate is None:
+                    return _problem(422, "unknown ticket")
+                try:
+                    _, memories = self.gate.take(tickets)
+                except Exception as exc:
+                    return _problem(422, str(exc))
+                for memory in memories.values():
+                    memory.close()
+                self.redeemed.append(len(memories))
             if reg.chunk_size != self.chunk_size:
                 return _problem(409, "chunk size mismatch")
             key = (reg.instance_id, reg.rank)
             refreshed = key in self.registrations
+            if refreshed and token != self.tokens[key]:
+                return _problem(403, "registered by another client")
             self.registrations[key] = reg
+            self.tokens[key] = secrets.token_hex(8)
             return httpx.Response(
                 200,
                 json={
@@ -150,13 +205,22 @@ class FakeServer:
                     "num_layers": len(reg.layers),
                     "chunk_bytes": 1,
                     "refreshed": refreshed,
+                    "registration_token": self.tokens[key],
                 },
             )
         if path.startswith("/register/") and method == "DELETE":
             _, _, instance_id, rank = path.split("/")
-            if self.registrations.pop((instance_id, int(rank)), None) is None:
+            key = (instance_id, int(rank))
+            if key not in self.registrations:
                 return _problem(404, "unknown registration")
+            if token != self.tokens[key]:
+                return _problem(403, "registered by another client")
+            del self.registrations[key]
             return httpx.Response(204)
+        if path in ("/cache/store", "/cache/retrieve"):
+            key = (body["instance_id"], body["rank"])
+            if key in self.registrations and token != self.tokens[key]:
+                return _problem(403, "not this registration's token")
         if path == "/cache/lookup":
             if "frame" in body:
                 pairs = body["frame"]

@@ -25,10 +25,10 @@ from contract.schemas import (
     LayerInfo,
     LookupItem,
     LookupRequest,
+    MemfdTensor,
     NegotiateRequest,
     RegisterRequest,
     RetrieveRequest,
-    ShmTensor,
     StoreRequest,
     TransferItem,
 )
@@ -72,8 +72,8 @@ REGISTER_BODY = RegisterRequest(
             name="l0",
             group_id=0,
             tensors=[
-                ShmTensor(
-                    segment="mpcache-w-1",
+                MemfdTensor(
+                    ticket="t-1",
                     offset_bytes=0,
                     shape=[4, 16, 2, 8],
                     stride=[256, 16, 8, 1],
@@ -91,6 +91,7 @@ REGISTER_REPLY = {
     "num_layers": 1,
     "chunk_bytes": 9216,
     "refreshed": False,
+    "registration_token": "rt-1",
 }
 ITEM = TransferItem(
     request_id="r1",

@@ -168,6 +168,7 @@ def test_known_keys_are_the_documented_ones() -> None:
         "mpcache.heartbeat_timeout",
         "mpcache.startup_timeout",
         "mpcache.instance_id",
+        "mpcache.api_token",
     }
     assert documented == KNOWN_KEYS
     readme = (ROOT / "README.md").read_text()

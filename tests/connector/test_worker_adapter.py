@@ -1,24 +1,22 @@
-"""Worker adapter: shm registration (CPU), batched loads/stores, degraded mode."""
+"""Worker adapter: memfd registration (CPU), batched loads/stores, degraded mode."""
 
 from __future__ import annotations
 
 import base64
-import logging
 import mmap
 import os
 from collections.abc import Iterator
 
 import numpy as np
-import posix_ipc
 import pytest
 import torch
 
-from connector import worker as worker_module
 from connector.alignment import layout_from_groups
 from connector.config import ConnectorConfig
 from connector.errors import LayoutError
 from connector.metadata import StepPlan, TransferOp
 from connector.worker import WorkerAdapter, _block_view, server_budget_s
+from contract.fdpass import F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, seals_of
 from contract.schemas import RetrieveRequest
 from contract.tokens import encode_tokens
 from tests.connector.fakes import AttnSpec, FakeServer, Group
@@ -76,12 +74,13 @@ def _kv(seed: int) -> torch.Tensor:
     return torch.randn(NUM_BLOCKS, 2, 16, 4, generator=g, dtype=torch.float32).to(torch.float16)
 
 
-def _map_segment(name: str) -> mmap.mmap:
-    seg = posix_ipc.SharedMemory(f"/{name}")
+def _map_memfd(fd: int) -> mmap.mmap:
+    """Map the worker's memfd through a descriptor of our own, as the server does."""
+    dup = os.dup(fd)
     try:
-        return mmap.mmap(seg.fd, seg.size)
+        return mmap.mmap(dup, os.fstat(dup).st_size)
     finally:
-        seg.close_fd()
+        os.close(dup)
 
 
 def _op(rid: str, tokens: list[int], start: int, end: int, blocks: list[int]) -> TransferOp:
@@ -91,7 +90,7 @@ def _op(rid: str, tokens: list[int], start: int, end: int, blocks: list[int]) ->
 # ------------------------------------------------------------------ registration
 
 
-def test_cpu_tensors_move_into_shm_zero_copy(workers: list[WorkerAdapter]) -> None:
+def test_cpu_tensors_move_into_sealed_memfds_zero_copy(workers: list[WorkerAdapter]) -> None:
     server = FakeServer(min_chunk_size=64)
     worker = make(workers, server)
     l0, l1 = _kv(0), _kv(1)
@@ -104,9 +103,8 @@ def test_cpu_tensors_move_into_shm_zero_copy(workers: list[WorkerAdapter]) -> No
     reg = server.registrations[("eng", 0)]
     assert [layer.name for layer in reg.layers] == ["l0", "l1"]
     d0 = reg.layers[0].tensors[0]
-    assert d0.transport == "shm"
-    # mpcache-w-[<pidns>-]<pid>-r<rank>_...: the creator's pid lets a sweep judge it.
-    assert d0.segment.startswith("mpcache-w-") and f"-{os.getpid()}-r0_" in d0.segment
+    assert d0.transport == "memfd"
+    assert server.redeemed == [2]  # both memfds passed over the socket, tickets redeemed
     assert (d0.shape, d0.stride, d0.dtype, d0.block_dim, d0.offset_bytes) == (
         [NUM_BLOCKS, 2, 16, 4],
         [128, 64, 4, 1],
@@ -119,9 +117,15 @@ def test_cpu_tensors_move_into_shm_zero_copy(workers: list[WorkerAdapter]) -> No
         {"group_id": 0, "kind": "attention", "token_span": 16}
     ]
     assert len(worker.segments) == 2
+    for seg in worker.segments:  # no size change can ever SIGBUS the server
+        assert seals_of(seg.fd) & (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == (
+            F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL
+        )
+        with pytest.raises(PermissionError):
+            os.ftruncate(seg.fd, 0)
 
     # Same pages: a write through the server's mapping shows up in vLLM's tensors.
-    mapping = _map_segment(d0.segment)
+    mapping = _map_memfd(worker.segments[0].fd)
     server_view = torch.frombuffer(mapping, dtype=torch.float16).view(NUM_BLOCKS, 2, 16, 4)
     server_view[3].fill_(7.0)
     assert torch.all(l0[3] == 7.0) and torch.all(view_of_l0 == 7.0)
@@ -139,7 +143,8 @@ def test_shared_storage_is_one_segment(workers: list[WorkerAdapter]) -> None:
     l1 = raw[NUM_BLOCKS * 128 :].view(NUM_BLOCKS, 2, 16, 4)
     worker.register_kv_caches({"l0": l0, "l1": l1})
     d0, d1 = (layer.tensors[0] for layer in server.registrations[("eng", 0)].layers)
-    assert d0.segment == d1.segment
+    assert d0.transport == d1.transport == "memfd"
+    assert d0.ticket == d1.ticket
     assert (d0.offset_bytes, d1.offset_bytes) == (0, NUM_BLOCKS * 128 * 2)
     assert len(worker.segments) == 1
     raw[-1] = 3.0
@@ -194,28 +199,6 @@ def test_block_dim(
 def test_block_dim_missing() -> None:
     with pytest.raises(LayoutError, match="indexes the 8 KV cache blocks"):
         _block_view(torch.zeros(3, 5), NUM_BLOCKS)
-
-
-def test_worker_start_sweeps_stale_segments_once(
-    workers: list[WorkerAdapter], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    calls: list[None] = []
-    monkeypatch.setattr(worker_module, "sweep_stale_worker_segments", lambda: calls.append(None))
-    make(workers, FakeServer(min_chunk_size=64))
-    assert len(calls) == 1
-
-
-def test_failing_sweep_never_stops_the_worker(
-    workers: list[WorkerAdapter], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    def broken() -> list[str]:
-        raise PermissionError("/dev/shm")
-
-    monkeypatch.setattr(worker_module, "sweep_stale_worker_segments", broken)
-    with caplog.at_level(logging.WARNING, logger="mpcache.connector"):
-        worker = make(workers, FakeServer(min_chunk_size=64))
-    assert worker.link.healthy
-    assert any("sweeping stale segments failed" in r.message for r in caplog.records)
 
 
 def test_refused_registration_degrades(workers: list[WorkerAdapter]) -> None:
@@ -417,18 +400,20 @@ def test_second_server_gets_its_ranks_from_zero(workers: list[WorkerAdapter]) ->
     assert (reg.rank, reg.world_size) == (1, 2)
 
 
-def test_shutdown_unregisters_and_unlinks(workers: list[WorkerAdapter]) -> None:
+def test_shutdown_unregisters_and_closes(workers: list[WorkerAdapter]) -> None:
     server = FakeServer(min_chunk_size=64)
     worker = make(workers, server)
     l0 = _kv(0)
     expected = l0.clone()
     worker.register_kv_caches({"l0": l0, "l1": _kv(1)})
-    names = [s.name for s in worker.segments]
+    fds = [s.fd for s in worker.segments]
     worker.shutdown()
     workers.clear()
     assert server.registrations == {}
     assert "DELETE /register/eng/0" in server.paths()
-    for name in names:
-        with pytest.raises(posix_ipc.ExistentialError):
-            posix_ipc.SharedMemory(f"/{name}")
-    assert torch.equal(l0, expected)  # vLLM's tensors stay valid after the unlink
+    assert all(s.fd == -1 for s in worker.segments)
+    for fd in fds:
+        assert not os.path.exists(f"/proc/self/fd/{fd}") or "memfd:mpcache-kv" not in (
+            os.readlink(f"/proc/self/fd/{fd}")
+        )
+    assert torch.equal(l0, expected)  # vLLM's tensors stay valid after the close

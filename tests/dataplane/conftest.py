@@ -1,9 +1,11 @@
 """Shared fixtures for the data-plane tests (helpers are in ``support``).
 
-- ``shm_kv``: worker-side KV caches in POSIX shm segments (unlinked at teardown,
-  even when the test fails), laid out like vLLM's CPU caches.
-- ``make_client``: in-process servers (``TestClient`` runs the lifespan, so a real
-  pool segment is created, and unlinked at teardown), already negotiated.
+- ``shm_kv``: worker-side KV caches in sealed memfds (closed at teardown, even when
+  the test fails), laid out like vLLM's CPU caches.
+- ``make_client``: in-process servers (``CacheClient``: a ``TestClient`` that passes
+  memfds over the registration socket and keeps registration tokens, as a worker
+  does; it runs the lifespan, so a real pool segment is created, and unlinked at
+  teardown), already negotiated.
 """
 
 from __future__ import annotations
@@ -12,11 +14,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
-from tests.dataplane.support import KVFactory, LayerSpec, ShmKV, build_kv
+from tests.dataplane.support import CacheClient, KVFactory, LayerSpec, ShmKV, build_kv
 
 
 @pytest.fixture
@@ -36,9 +37,9 @@ def shm_kv() -> Iterator[KVFactory]:
 
 
 @pytest.fixture
-def make_client() -> Iterator[Callable[..., TestClient]]:
+def make_client() -> Iterator[Callable[..., CacheClient]]:
     """Start in-process servers (small pool, negotiated to ``alignment``)."""
-    stack: list[TestClient] = []
+    stack: list[CacheClient] = []
 
     def make(
         *,
@@ -47,7 +48,7 @@ def make_client() -> Iterator[Callable[..., TestClient]]:
         pool_size: int | str = "4MiB",
         pool_page_size: int | str = 4096,
         **settings: Any,
-    ) -> TestClient:
+    ) -> CacheClient:
         app = create_app(
             Settings(
                 chunk_size=chunk_size,
@@ -57,7 +58,7 @@ def make_client() -> Iterator[Callable[..., TestClient]]:
                 **settings,
             )
         )
-        client = TestClient(app)
+        client = CacheClient(app)
         client.__enter__()
         stack.append(client)
         if alignment is not None:
@@ -69,4 +70,6 @@ def make_client() -> Iterator[Callable[..., TestClient]]:
         yield make
     finally:
         while stack:
-            stack.pop().__exit__(None, None, None)
+            client = stack.pop()
+            client.close_worker()
+            client.__exit__(None, None, None)

@@ -2,19 +2,35 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import fcntl
+import itertools
 import math
+import mmap
 import os
+import socket
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import numpy as np
 import torch
+from fastapi.testclient import TestClient
 
-from contract.shm_naming import SHM_DIR, segment_name
-from dataplane.segments import Segment
+from contract.fdpass import (
+    F_ADD_SEALS,
+    F_SEAL_GROW,
+    F_SEAL_SEAL,
+    F_SEAL_SHRINK,
+    HANDSHAKE_MAGIC,
+    decode_reply,
+)
+from contract.schemas import REGISTRATION_TOKEN_HEADER
+from contract.shm_naming import SHM_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "test-model|layout-v1|ws1"
@@ -56,11 +72,34 @@ def mamba_layer(name: str, group_id: int, num_blocks: int) -> LayerSpec:
     )
 
 
+_labels = itertools.count()
+
+
+def sealed_memfd(nbytes: int, label: str = "mpcache-test", *, seals: int | None = None) -> int:
+    """A memfd of ``nbytes`` (pages allocated), sealed as a worker seals it."""
+    fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        fcntl.fcntl(
+            fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL if seals is None else seals
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 @dataclass
 class ShmKV:
-    """One worker's KV caches, all inside one shm segment (the test owns it)."""
+    """One worker's KV caches, all inside one sealed memfd (the test owns it).
 
-    segment: Segment
+    Its descriptors carry the placeholder ticket ``fd:<fd>``; ``CacheClient`` passes
+    the memfd over the registration socket and puts the real ticket in its place."""
+
+    fd: int
+    label: str
+    size_bytes: int
+    mm: mmap.mmap
     layers: list[LayerSpec]
     tensors: dict[tuple[str, int], torch.Tensor]
     descriptors: list[dict[str, Any]]
@@ -68,7 +107,12 @@ class ShmKV:
 
     @property
     def name(self) -> str:
-        return self.segment.name
+        """The memfd's label, as /proc/self/maps shows it (``shm_mappings``)."""
+        return self.label
+
+    @property
+    def placeholder(self) -> str:
+        return f"fd:{self.fd}"
 
     def block(self, layer: str, tensor: int, block_id: int) -> torch.Tensor:
         spec = next(s for s in self.layers if s.name == layer).tensors[tensor]
@@ -87,7 +131,9 @@ class ShmKV:
     def close(self) -> None:
         self.tensors.clear()
         del self.base
-        self.segment.close()
+        with contextlib.suppress(BufferError):  # a view still lives: it goes with it
+            self.mm.close()
+        os.close(self.fd)
 
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "int16": 2}
@@ -101,9 +147,11 @@ def build_kv(layers: Sequence[LayerSpec]) -> ShmKV:
             nbytes = math.prod(spec.shape) * _ITEMSIZE[spec.dtype]
             placements.append((layer, t_index, spec, offset))
             offset += -(-nbytes // 256) * 256 + 256  # leave gaps: offsets must be honoured
-    segment = Segment.create(segment_name("w"), offset)
+    label = f"mpcache-test-kv-{os.getpid()}-{next(_labels)}"
+    fd = sealed_memfd(offset, label)
     try:
-        base = torch.frombuffer(segment.buffer, dtype=torch.uint8)
+        mm = mmap.mmap(fd, offset)
+        base = torch.frombuffer(mm, dtype=torch.uint8)
         base.zero_()
         tensors = {}
         descriptors: dict[str, dict[str, Any]] = {}
@@ -118,8 +166,8 @@ def build_kv(layers: Sequence[LayerSpec]) -> ShmKV:
             )
             entry["tensors"].append(
                 {
-                    "transport": "shm",
-                    "segment": segment.name,
+                    "transport": "memfd",
+                    "ticket": f"fd:{fd}",
                     "offset_bytes": off,
                     "shape": list(spec.shape),
                     "stride": list(t.stride()),
@@ -128,9 +176,113 @@ def build_kv(layers: Sequence[LayerSpec]) -> ShmKV:
                 }
             )
     except BaseException:
-        segment.close()
+        os.close(fd)
         raise
-    return ShmKV(segment, list(layers), tensors, list(descriptors.values()), base)
+    return ShmKV(fd, label, offset, mm, list(layers), tensors, list(descriptors.values()), base)
+
+
+class WorkerSocket:
+    """A client of the registration socket, as a worker uses it (``contract.fdpass``)."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(60)
+        self.sock.connect(path)
+
+    def send(self, fds: Sequence[int], data: bytes = HANDSHAKE_MAGIC) -> bytes:
+        """One handshake; the raw reply line."""
+        socket.send_fds(self.sock, [data], list(fds))
+        reply = b""
+        while not reply.endswith(b"\n"):
+            part = self.sock.recv(65536)
+            if not part:
+                raise ConnectionError("the server closed the registration socket")
+            reply += part
+        return reply
+
+    def tickets(self, fds: Sequence[int]) -> list[str]:
+        return decode_reply(self.send(fds))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def with_tickets(body: dict[str, Any], worker: WorkerSocket) -> dict[str, Any]:
+    """``body`` with its placeholder tickets (``fd:<fd>``) replaced by real ones: the
+    memfds go over ``worker``'s connection in one handshake."""
+    placeholders = sorted(
+        {
+            t["ticket"]
+            for layer in body.get("layers", [])
+            if isinstance(layer, dict)
+            for t in layer.get("tensors", [])
+            if isinstance(t, dict) and str(t.get("ticket", "")).startswith("fd:")
+        }
+    )
+    if not placeholders:
+        return body
+    fds = [int(p[3:]) for p in placeholders]
+    tickets = dict(zip(placeholders, worker.tickets(fds), strict=True))
+    body = copy.deepcopy(body)
+    for layer in body["layers"]:
+        for t in layer["tensors"]:
+            if t.get("ticket") in tickets:
+                t["ticket"] = tickets[t["ticket"]]
+    return body
+
+
+class CacheClient(TestClient):
+    """A ``TestClient`` that acts as a worker does, so tests can speak in bodies:
+
+    - ``POST /register`` whose descriptors carry placeholder tickets ``fd:<fd>``:
+      the memfds go over the registration socket first (one connection per
+      client, ``worker``) and the real tickets replace the placeholders;
+    - a successful registration's token is kept and sent (unless the call sets the
+      header itself, or ``auto_token`` is off) with later store, retrieve, DELETE
+      and replacing register calls of that ``(instance_id, rank)``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tokens: dict[tuple[str, int], str] = {}
+        self.auto_token = True
+        self._worker: WorkerSocket | None = None
+
+    @property
+    def worker(self) -> WorkerSocket:
+        if self._worker is None:
+            path = self.get("/register").json()["socket_path"]
+            self._worker = WorkerSocket(path)
+        return self._worker
+
+    def close_worker(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+    def request(self, method: str, url: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        path = str(url)
+        body = kwargs.get("json")
+        key: tuple[str, int] | None = None
+        if method == "POST" and path == "/register" and isinstance(body, dict):
+            kwargs["json"] = body = with_tickets(body, self.worker)
+        if isinstance(body, dict) and path in ("/register", "/cache/store", "/cache/retrieve"):
+            if isinstance(body.get("instance_id"), str) and isinstance(body.get("rank"), int):
+                key = (body["instance_id"], body["rank"])
+        elif method == "DELETE" and path.startswith("/register/"):
+            instance, _, rank = path[len("/register/") :].rpartition("/")
+            if rank.isdigit():
+                key = (unquote(instance), int(rank))
+        headers = dict(kwargs.get("headers") or {})
+        if self.auto_token and key in self.tokens and REGISTRATION_TOKEN_HEADER not in headers:
+            headers[REGISTRATION_TOKEN_HEADER] = self.tokens[key]
+            kwargs["headers"] = headers
+        reply = super().request(method, url, **kwargs)
+        if path == "/register" and method == "POST" and reply.status_code == 200 and key:
+            self.tokens[key] = reply.json()["registration_token"]
+        if method == "DELETE" and reply.status_code == 204 and key:
+            self.tokens.pop(key, None)
+        return reply
 
 
 def register_body(
@@ -191,11 +343,12 @@ def random_tokens(n: int, seed: int) -> np.ndarray:
 # ----------------------------------------------------------------- in-process server
 
 
-def shm_mappings(name: str) -> int:
-    """How many mappings of the shm segment ``name`` this process holds."""
-    path = f"{SHM_DIR}/{name}"
+def shm_mappings(label: str) -> int:
+    """How many mappings of the memfd labelled ``label`` this process holds (the
+    test's own, and the in-process server's)."""
+    needle = f"/memfd:{label} (deleted)"
     with open("/proc/self/maps") as maps:
-        return sum(1 for line in maps if line.rstrip().endswith(path))
+        return sum(1 for line in maps if line.rstrip().endswith(needle))
 
 
 @contextmanager
@@ -258,3 +411,18 @@ def metric(client: Any, name: str, **labels: str) -> float:
 
 KVFactory = Callable[[Sequence[LayerSpec]], ShmKV]
 """The ``shm_kv`` fixture: builds worker KV caches in shm for the given layers."""
+
+
+def register_over(http: Any, body: dict[str, Any]) -> tuple[str, WorkerSocket]:
+    """Register ``body`` (placeholder tickets) with any HTTP client (``httpx.Client``,
+    a ``TestClient``): the memfds go over a new socket connection, which the caller
+    keeps open while the registration should live and closes after. Returns the
+    registration token and that connection."""
+    worker = WorkerSocket(http.get("/register").json()["socket_path"])
+    try:
+        reply = http.post("/register", json=with_tickets(body, worker))
+        reply.raise_for_status()
+    except BaseException:
+        worker.close()
+        raise
+    return str(reply.json()["registration_token"]), worker

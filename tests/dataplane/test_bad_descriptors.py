@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.dataplane.support import (
+    CacheClient,
     KVFactory,
     ShmKV,
     mla_layer,
@@ -18,11 +19,12 @@ from tests.dataplane.support import (
     shm_mappings,
     vllm_layer,
 )
+from tests.support import wait_until
 
 CHUNK = 64
 GROUPS = [(0, "attention", 16)]
 
-ClientFactory = Callable[..., TestClient]
+ClientFactory = Callable[..., CacheClient]
 Mutation = Callable[[dict[str, Any], ShmKV, TestClient], None]
 
 
@@ -39,28 +41,40 @@ def _set(key: str, value: Any) -> Mutation:
 
 
 def _past_end(body: dict[str, Any], kv: ShmKV, client: TestClient) -> None:
-    _first(body)["offset_bytes"] = kv.segment.size_bytes - 64
+    _first(body)["offset_bytes"] = kv.size_bytes - 64
 
 
 def _too_long(body: dict[str, Any], kv: ShmKV, client: TestClient) -> None:
     _first(body)["shape"][1] *= 100
 
 
-def _pool_name(body: dict[str, Any], kv: ShmKV, client: TestClient) -> None:
-    _first(body)["segment"] = client.app.state.runtime.pool.segment.name  # type: ignore[attr-defined]
+def _by_name(name: str) -> Mutation:
+    """The old registration by segment name: never opened, whatever the name."""
+
+    def mutate(body: dict[str, Any], kv: ShmKV, client: TestClient) -> None:
+        tensor = _first(body)
+        del tensor["ticket"]
+        tensor.update(transport="shm", segment=name)
+
+    return mutate
 
 
-def _unknown_segment(body: dict[str, Any], kv: ShmKV, client: TestClient) -> None:
-    _first(body)["segment"] = f"mpcache-w-{os.getpid()}-nosuchsegment"
+def _pool_by_name(body: dict[str, Any], kv: ShmKV, client: TestClient) -> None:
+    pool = client.app.state.runtime.pool.segment.name  # type: ignore[attr-defined]
+    _by_name(pool)(body, kv, client)
 
+
+def _forged_ticket(body: dict[str, Any], kv: ShmKV, client: TestClient) -> None:
+    _first(body)["ticket"] = "forged-ticket-0123456789"
+
+
+_WORKER_NAME = f"mpcache-w-{os.getpid()}-r0_0_abc"
 
 CASES = [
-    pytest.param(_unknown_segment, 422, "unknown-segment", id="unknown-segment"),
-    pytest.param(_set("segment", "other-segment"), 422, "bad-segment-name", id="outside-prefix"),
-    pytest.param(_pool_name, 422, "bad-segment-name", id="server-pool-name"),
-    pytest.param(_set("segment", "mpcache-w-../../x"), 422, "bad-segment-name", id="dotdot-slash"),
-    pytest.param(_set("segment", "mpcache-w-..x"), 422, "bad-segment-name", id="dotdot"),
-    pytest.param(_set("segment", "/mpcache-w-1-x"), 422, "bad-segment-name", id="leading-slash"),
+    pytest.param(_by_name(_WORKER_NAME), 422, None, id="by-segment-name"),
+    pytest.param(_pool_by_name, 422, None, id="server-pool-by-name"),
+    pytest.param(_by_name("mpcache-w-../../x"), 422, None, id="dotdot-slash-name"),
+    pytest.param(_forged_ticket, 422, "unknown-ticket", id="forged-ticket"),
     pytest.param(_past_end, 422, "out-of-bounds", id="view-past-end"),
     pytest.param(_too_long, 422, "out-of-bounds", id="shape-past-end"),
     pytest.param(_set("dtype", "float128"), 422, "unknown-dtype", id="unknown-dtype"),
@@ -69,6 +83,8 @@ CASES = [
     pytest.param(_set("stride", [1, 2]), 422, "bad-geometry", id="stride-rank"),
     pytest.param(_set("block_dim", 7), 422, "bad-geometry", id="block-dim"),
     pytest.param(_set("stride", [0, 0, 0, 0, 0]), 422, "bad-geometry", id="aliasing-stride"),
+    pytest.param(_set("stride", [2**63, 256, 16, 8, 1]), 422, None, id="stride-2**63"),
+    pytest.param(_set("offset_bytes", 2**62), 422, None, id="offset-2**62"),
 ]
 
 
@@ -95,9 +111,13 @@ def test_bad_descriptor_is_refused_and_maps_nothing(
     assert problem["status"] == status and problem["detail"]
     if reason is not None:
         assert problem["reason"] == reason
-        assert "layer 'l0' tensor 0" in problem["detail"]
-    assert shm_mappings(good.name) == before
+        if reason != "unknown-ticket":
+            assert "layer 'l0' tensor 0" in problem["detail"]
     assert client.get("/health").json()["registrations"] == 0
+    # Nothing stays mapped: tickets a refused registration read are unmapped at once,
+    # any it did not read when the worker's connection closes.
+    client.close_worker()
+    wait_until(lambda: shm_mappings(good.name) == before, what="refused memfd unmapped")
     # The good body still registers, and maps the segment exactly once.
     assert client.post("/register", json=body).status_code == 200
     assert shm_mappings(good.name) == before + 1
@@ -111,7 +131,7 @@ def test_a_bad_second_layer_leaves_the_first_unmapped(
     kv2 = shm_kv([mla_layer("l1", 0, 8)])
     body = register_body(kv1, "w", GROUPS, chunk_size=CHUNK)
     second = copy.deepcopy(register_body(kv2, "w", GROUPS, chunk_size=CHUNK)["layers"][0])
-    second["tensors"][0]["offset_bytes"] = kv2.segment.size_bytes  # past the end
+    second["tensors"][0]["offset_bytes"] = kv2.size_bytes  # past the end
     body["layers"].append(second)
     before = (shm_mappings(kv1.name), shm_mappings(kv2.name))
 

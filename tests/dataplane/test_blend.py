@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 
 from tests.dataplane.support import (
     NAMESPACE,
+    CacheClient,
     KVFactory,
     post_ok,
     random_tokens,
@@ -20,7 +21,7 @@ from tests.dataplane.support import (
 )
 
 CHUNK = 64
-ClientFactory = Callable[..., TestClient]
+ClientFactory = Callable[..., CacheClient]
 
 
 def _match(client: TestClient, tokens: np.ndarray) -> list[bool]:

@@ -13,6 +13,7 @@ from contract.schemas import NULL_BLOCK_ID
 from contract.shm_naming import SHM_DIR
 from tests.dataplane.support import (
     NAMESPACE,
+    CacheClient,
     KVFactory,
     LayerSpec,
     ShmKV,
@@ -28,7 +29,7 @@ from tests.dataplane.support import (
 CHUNK = 64
 ATTN = [(0, "attention", 16)]
 
-ClientFactory = Callable[..., TestClient]
+ClientFactory = Callable[..., CacheClient]
 
 
 def _register(

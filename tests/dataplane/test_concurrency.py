@@ -16,15 +16,18 @@ import numpy as np
 import pytest
 import torch
 
+from contract.schemas import REGISTRATION_TOKEN_HEADER
 from tests.dataplane.support import (
     NAMESPACE,
     KVFactory,
     ShmKV,
+    WorkerSocket,
     random_tokens,
     register_body,
     token_field,
     transfer_item,
     vllm_layer,
+    with_tickets,
 )
 from tests.support import server_process
 
@@ -63,17 +66,18 @@ def _check(kv: ShmKV, prompt: int, loaded_blocks: int) -> None:
 
 
 class Client(threading.Thread):
-    def __init__(self, index: int, url: str, kv: ShmKV) -> None:
+    def __init__(self, index: int, url: str, kv: ShmKV, token: str) -> None:
         super().__init__(name=f"client-{index}", daemon=True)
         self.index = index
         self.url = url
         self.kv = kv
+        self.token = token
         self.errors: list[BaseException] = []
         self.statuses: list[int] = []
         self.loaded_chunks = 0
 
     def post(self, http: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        reply = http.post(path, json=body)
+        reply = http.post(path, json=body, headers={REGISTRATION_TOKEN_HEADER: self.token})
         self.statuses.append(reply.status_code)
         assert reply.status_code == 200, f"{path}: {reply.status_code} {reply.text}"
         result: dict[str, Any] = reply.json()["results"][0]
@@ -130,10 +134,14 @@ def test_concurrent_clients_never_see_a_torn_chunk(shm_kv: KVFactory) -> None:
     ):
         assert http.post("/negotiate", json={"required_alignment": 16}).status_code == 200
         kvs = [shm_kv(LAYERS) for _ in range(NUM_CLIENTS)]
+        worker = WorkerSocket(http.get("/register").json()["socket_path"])
+        tokens = []
         for i, kv in enumerate(kvs):
-            body = register_body(kv, f"client-{i}", GROUPS, chunk_size=CHUNK)
-            assert http.post("/register", json=body).status_code == 200
-        clients = [Client(i, url, kv) for i, kv in enumerate(kvs)]
+            body = with_tickets(register_body(kv, f"client-{i}", GROUPS, chunk_size=CHUNK), worker)
+            reply = http.post("/register", json=body)
+            assert reply.status_code == 200, reply.text
+            tokens.append(reply.json()["registration_token"])
+        clients = [Client(i, url, kv, tokens[i]) for i, kv in enumerate(kvs)]
         for client in clients:
             client.start()
         for client in clients:
@@ -149,3 +157,4 @@ def test_concurrent_clients_never_see_a_torn_chunk(shm_kv: KVFactory) -> None:
             line for line in metrics.splitlines() if line.startswith("mpcache_chunks_evicted_total")
         ]
         assert evicted and float(evicted[0].split()[1]) > 0
+        worker.close()

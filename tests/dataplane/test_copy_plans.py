@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from contract.schemas import ShmTensor
+from contract.schemas import MemfdTensor
 from dataplane.descriptors import tensor_geometry
 from dataplane.layout import BlockTensorSpec, ChunkLayout, GroupSpec, chunk_layout
 from dataplane.transfer import TensorPlan, block_runs, gather_chunk, make_plan, scatter_chunk
@@ -19,8 +19,8 @@ def _plan_for(
 ) -> tuple[TensorPlan, ChunkLayout]:
     dtype = str(tensor.dtype).removeprefix("torch.")
     geo = tensor_geometry(
-        ShmTensor(
-            segment="mpcache-w-1-x",
+        MemfdTensor(
+            ticket="t",
             offset_bytes=tensor.storage_offset() * tensor.element_size(),
             shape=list(tensor.shape),
             stride=list(tensor.stride()),

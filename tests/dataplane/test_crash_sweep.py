@@ -18,11 +18,11 @@ from tests.support import server_process
 
 
 @pytest.fixture
-def crashed_worker_segment() -> Iterator[str]:
-    """A worker segment of our PID namespace whose creator is dead (unlinked after)."""
+def crashed_pool_segment() -> Iterator[str]:
+    """A pool segment of our PID namespace whose creator is dead (unlinked after)."""
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait(timeout=30)
-    name = segment_name("w", pid=proc.pid)
+    name = segment_name("pool", pid=proc.pid)
     posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, size=4096).close_fd()
     try:
         yield name
@@ -31,21 +31,21 @@ def crashed_worker_segment() -> Iterator[str]:
             posix_ipc.unlink_shared_memory("/" + name)
 
 
-def test_server_start_sweeps_crashed_workers_segments(
-    crashed_worker_segment: str, make_client: Callable[..., Any]
+def test_server_start_sweeps_crashed_servers_pools(
+    crashed_pool_segment: str, make_client: Callable[..., Any]
 ) -> None:
-    live = segment_name("w")  # ours: alive
+    live = segment_name("pool")  # ours: alive
     posix_ipc.SharedMemory("/" + live, posix_ipc.O_CREX, size=4096).close_fd()
     try:
         make_client(alignment=None)
-        assert not os.path.exists(f"{SHM_DIR}/{crashed_worker_segment}")
+        assert not os.path.exists(f"{SHM_DIR}/{crashed_pool_segment}")
         assert os.path.exists(f"{SHM_DIR}/{live}")
     finally:
         posix_ipc.unlink_shared_memory("/" + live)
 
 
 def test_cli_sweeps_before_checking_free_space(
-    crashed_worker_segment: str, monkeypatch: pytest.MonkeyPatch
+    crashed_pool_segment: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import uvicorn
 
@@ -63,7 +63,7 @@ def test_cli_sweeps_before_checking_free_space(
     monkeypatch.setattr("app.logs.configure_logging", lambda *_, **__: None)  # the suite's
     main(["server", "--pool-size", "8MiB", "--port", "0"])
     assert started and started[0].host == "127.0.0.1"
-    assert not os.path.exists(f"{SHM_DIR}/{crashed_worker_segment}")
+    assert not os.path.exists(f"{SHM_DIR}/{crashed_pool_segment}")
 
 
 def _pools_of(pid: int) -> list[str]:

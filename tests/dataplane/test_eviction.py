@@ -9,6 +9,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from tests.dataplane.support import (
+    CacheClient,
     KVFactory,
     ShmKV,
     lookup,
@@ -28,7 +29,7 @@ GROUPS = [(0, "attention", 16)]
 LAYERS = [vllm_layer(f"l{i}", 0, 64) for i in range(4)]
 ENTRY_PAGES = 4
 
-ClientFactory = Callable[..., TestClient]
+ClientFactory = Callable[..., CacheClient]
 
 
 def _setup(

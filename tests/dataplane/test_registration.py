@@ -6,10 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
 
 from tests.dataplane.support import (
     NAMESPACE,
+    CacheClient,
     KVFactory,
     lookup,
     metric,
@@ -22,11 +22,12 @@ from tests.dataplane.support import (
     transfer_item,
     vllm_layer,
 )
+from tests.support import wait_until
 
 CHUNK = 64
 GROUPS = [(0, "attention", 16)]
 
-ClientFactory = Callable[..., TestClient]
+ClientFactory = Callable[..., CacheClient]
 
 
 def test_register_before_negotiation_is_refused(
@@ -310,7 +311,10 @@ def test_register_out_of_range_world_is_refused_with_a_problem(
     assert reply.headers["content-type"].startswith("application/problem+json")
     assert needle in reply.json()["detail"]
     assert client.get("/health").json()["registrations"] == 0
-    assert shm_mappings(kv.name) == 1
+    # A body refused before its tickets are read leaves them unused; they are
+    # unmapped when the worker's connection closes.
+    client.close_worker()
+    wait_until(lambda: shm_mappings(kv.name) == 1, what="unused tickets unmapped")
     # The largest world is accepted.
     ok = register_body(kv, "w", GROUPS, chunk_size=CHUNK, rank=4095, world_size=4096)
     assert post_ok(client, "/register", ok)["rank"] == 4095

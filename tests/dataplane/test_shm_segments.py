@@ -14,7 +14,7 @@ import posix_ipc
 import pytest
 
 import contract.shm_naming
-from contract.errors import SegmentNotFound, SharedMemoryExhausted
+from contract.errors import SharedMemoryExhausted
 from contract.shm_naming import (
     SHM_DIR,
     check_free_space,
@@ -22,7 +22,6 @@ from contract.shm_naming import (
     segment_name,
     stale_segments,
     sweep_stale,
-    sweep_stale_worker_segments,
 )
 from dataplane.segments import Segment, sweep_stale_segments
 
@@ -62,7 +61,7 @@ def test_names_carry_pid_namespace_and_pid() -> None:
         segment_name("w", token="a-b")
 
 
-@pytest.mark.parametrize("kind", ["pool", "w"])
+@pytest.mark.parametrize("kind", ["pool"])
 def test_sweep_judges_only_segments_of_our_pid_namespace(kind: str) -> None:
     dead = _dead_pid()
     ours = pid_namespace()
@@ -78,43 +77,37 @@ def test_sweep_judges_only_segments_of_our_pid_namespace(kind: str) -> None:
             assert _exists(name) and name not in removed
 
 
-def test_worker_sweep_removes_only_worker_segments() -> None:
+def test_server_sweeps_pools_only() -> None:
+    # Workers' KV caches are memfds now: a named segment of another kind (a left-over
+    # of an older version, or anyone's) is never the server's to remove.
     dead = _dead_pid()
     worker, pool = segment_name("w", pid=dead), segment_name("pool", pid=dead)
     with _bare_segments(worker, pool):
-        assert sweep_stale_worker_segments() == [worker]
-        assert not _exists(worker) and _exists(pool)
+        assert sweep_stale_segments() == [pool]
+        assert _exists(worker) and not _exists(pool)
 
 
 def test_nothing_is_swept_when_our_pid_namespace_is_unknown(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    name = segment_name("w", pid=_dead_pid())
+    name = segment_name("pool", pid=_dead_pid())
     with _bare_segments(name):
         monkeypatch.setattr(contract.shm_naming, "_PIDNS_PATH", "/nonexistent/ns/pid")
         assert pid_namespace() == 0
-        assert stale_segments("mpcache-w-") == []
-        assert sweep_stale_worker_segments() == []
+        assert stale_segments() == []
+        assert sweep_stale_segments() == []
         assert _exists(name)
 
 
-def test_creator_unlinks_attacher_only_unmaps() -> None:
-    owner = Segment.create(segment_name("w"), 8192)
+def test_the_creator_unlinks_on_close() -> None:
+    owner = Segment.create(segment_name("pool"), 8192)
     try:
         owner.buffer[:5] = b"hello"
-        attached = Segment.attach(owner.name)
-        assert attached.buffer[:5] == b"hello"
-        assert not attached.owner and attached.size_bytes == 8192
-        attached.close()
-        attached.close()
         assert _exists(owner.name)
     finally:
         owner.close()
+        owner.close()
     assert not _exists(owner.name)
-    with pytest.raises(SegmentNotFound):
-        Segment.attach(owner.name)
-    with pytest.raises(SegmentNotFound):
-        Segment.probe(owner.name)
 
 
 def test_close_with_live_views_still_unlinks() -> None:

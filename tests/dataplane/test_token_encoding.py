@@ -22,6 +22,7 @@ from contract.schemas import LookupFrameHeader, LookupFrameItem
 from contract.tokens import pack_tokens
 from tests.dataplane.support import (
     NAMESPACE,
+    CacheClient,
     KVFactory,
     post_ok,
     random_tokens,
@@ -35,7 +36,7 @@ from tests.dataplane.support import (
 CHUNK = 256
 PROMPT_TOKENS = 32768
 
-ClientFactory = Callable[..., TestClient]
+ClientFactory = Callable[..., CacheClient]
 
 
 def test_b64_and_json_tokens_agree_and_b64_is_compact(

@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 
 import app.service
 from tests.dataplane.support import (
+    CacheClient,
     KVFactory,
     ShmKV,
     lookup,
@@ -34,7 +35,7 @@ CHUNK = 64
 GROUPS = [(0, "attention", 16)]
 LAYERS = [vllm_layer(f"l{i}", 0, 40) for i in range(2)]
 
-ClientFactory = Callable[..., TestClient]
+ClientFactory = Callable[..., CacheClient]
 
 
 class SlowCopy:
@@ -189,10 +190,10 @@ def test_the_deadline_counts_from_receipt(
     seen: list[float | None] = []
     real_store = cache.store
 
-    def spy(req: Any, *, received_at: float | None = None) -> Any:
+    def spy(req: Any, *, received_at: float | None = None, token: str | None = None) -> Any:
         seen.append(received_at)
         seen.append(time.monotonic())
-        return real_store(req, received_at=received_at)
+        return real_store(req, received_at=received_at, token=token)
 
     monkeypatch.setattr(cache, "store", spy)
     before = time.monotonic()
