@@ -275,6 +275,15 @@ def serve(settings: Settings) -> None:
     except SharedMemoryExhausted as exc:
         sock.close()
         raise SystemExit(f"{PROG}: {exc.detail}") from None
+    from app.state import StartupRefused, preflight
+
+    try:
+        preflight(settings)
+    except StartupRefused as exc:
+        sock.close()
+        raise SystemExit(f"{PROG}: {exc}") from None
+    if settings.port == 0:
+        settings = settings.model_copy(update={"port": port})  # members advertise it
     import uvicorn
 
     from app.main import create_app

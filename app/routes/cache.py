@@ -3,8 +3,9 @@
 Where each runs: ``lookup`` and ``end`` are ``async`` and run on the event loop (no
 thread-pool hop): a lookup parses its body itself (JSON, or the binary form of
 ``contract.frames``, served item by item as it arrives), hashes and asks the pool,
-all cheap; only more than ``INLINE_LOOKUP_TOKENS`` tokens at once (a JSON lookup, or
-one item of a binary one) move to the thread pool, so that /health never waits long
+all cheap (with ``--l2-url``, L2 is asked about L1's misses from the thread pool,
+and awaited); only more than ``INLINE_LOOKUP_TOKENS`` tokens at once (a JSON lookup,
+or one item of a binary one) move to the thread pool, so that /health never waits long
 behind them. ``store``, ``retrieve`` and ``blend/match`` are plain functions, which
 FastAPI runs in its thread pool: their copies (and blend's hashing of whole prompts)
 never block the event loop.
@@ -22,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.deps import ReceivedAtDep, RuntimeDep
 from app.problems import problem_doc
+from app.service import LookupBatch
 from app.state import Runtime
 from contract.errors import UnsupportedMediaType
 from contract.frames import LOOKUP_FRAME_MEDIA_TYPE, LookupFrameReader
@@ -107,6 +109,13 @@ async def _lookup_frame(request: Request, runtime: Runtime) -> LookupResponse:
         raise RequestValidationError(errors) from exc
     except ValueError as exc:
         raise _malformed("frame", str(exc)) from exc
+    return await _finish(batch)
+
+
+async def _finish(batch: LookupBatch) -> LookupResponse:
+    """The reply, once L2 (if any) was asked, from the thread pool, about L1's misses."""
+    if batch.needs_l2:
+        await run_in_threadpool(batch.check_l2)
     return batch.finish()
 
 
@@ -157,7 +166,10 @@ async def lookup(request: Request, runtime: RuntimeDep) -> Response:
     else:
         items = _lookup_items(media_type, await request.body())
         if sum(len(tokens) for _, tokens in items) <= INLINE_LOOKUP_TOKENS:
-            reply = runtime.cache.lookup_tokens(items)
+            batch = runtime.cache.lookup_batch()
+            for item, tokens in items:
+                batch.add(item, tokens)
+            reply = await _finish(batch)
         else:
             reply = await run_in_threadpool(runtime.cache.lookup_tokens, items)
     return Response(reply.model_dump_json(), media_type="application/json")
