@@ -375,8 +375,17 @@ def _health(command: HealthCommand, url: str) -> str:
             ("chunk size", _size_text(health.chunk_size, health.final)),
             ("sessions", health.sessions),
             ("registrations", health.registrations),
+            *_cluster_rows(health.cluster),
         ]
     )
+
+
+def _cluster_rows(cluster: Any) -> list[tuple[str, object]]:
+    """The deployment line of ``mpcache health`` (none from a server without one)."""
+    if cluster is None:
+        return []
+    text = f"{cluster.deployment}: coordinator {cluster.coordinator}, L2 {cluster.l2}"
+    return [("deployment", text)]
 
 
 def _chunk_size(command: ChunkSizeCommand, url: str) -> str:
