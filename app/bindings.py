@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from contract.errors import BindingFailed
+from contract.errors import BindingFailed, MPCacheError
 from contract.schemas import BindingStatus
 
 __all__ = ["Binding", "BindingPipeline"]
@@ -60,9 +60,13 @@ class BindingPipeline:
                 logger.warning(
                     "binding %r failed for chunk size %d: %s", binding.name, chunk_size, exc
                 )
+                # A domain error's fields (e.g. both sizes of a deployment conflict)
+                # stay in the problem body.
+                extras = exc.extras if isinstance(exc, MPCacheError) else {}
                 raise BindingFailed(
                     f"binding {binding.name!r} failed for chunk size {chunk_size}: {exc}; "
                     "retry the negotiation, it resumes at this binding",
+                    **extras,
                     binding=binding.name,
                     chunk_size=chunk_size,
                 ) from exc

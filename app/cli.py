@@ -276,6 +276,15 @@ def serve(settings: Settings) -> None:
     except SharedMemoryExhausted as exc:
         sock.close()
         raise SystemExit(f"{PROG}: {exc.detail}") from None
+    from app.state import StartupRefused, preflight
+
+    try:
+        preflight(settings)
+    except StartupRefused as exc:
+        sock.close()
+        raise SystemExit(f"{PROG}: {exc}") from None
+    if settings.port == 0:
+        settings = settings.model_copy(update={"port": port})  # members advertise it
     import uvicorn
 
     from app.main import create_app
@@ -370,8 +379,17 @@ def _health(command: HealthCommand, url: str) -> str:
             ("chunk size", _size_text(health.chunk_size, health.final)),
             ("sessions", health.sessions),
             ("registrations", health.registrations),
+            *_cluster_rows(health.cluster),
         ]
     )
+
+
+def _cluster_rows(cluster: Any) -> list[tuple[str, object]]:
+    """The deployment line of ``mpcache health`` (none from a server without one)."""
+    if cluster is None:
+        return []
+    text = f"{cluster.deployment}: coordinator {cluster.coordinator}, L2 {cluster.l2}"
+    return [("deployment", text)]
 
 
 def _chunk_size(command: ChunkSizeCommand, url: str) -> str:

@@ -34,8 +34,9 @@ nothing about the seed short of a collision. What remains is a heuristic propert
 must not rely on it separate tenants with vLLM's ``cache_salt`` (part of every
 key's seed), which makes cross-tenant sharing, and so cross-tenant collisions,
 impossible by construction. The price of the secret: keys differ between server
-processes (the pool is not persistent, so nothing is lost); a future shared tier
-(docs/design.md s.7) will need the servers of a deployment to share the seed.
+processes (the pool is not persistent, so nothing is lost), except with the shared
+L2 tier (docs/design.md s.7), whose servers share one seed through Redis
+(``app.l2.L2Tier.connect``): there the seed is as secret as Redis is.
 """
 
 from __future__ import annotations

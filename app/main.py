@@ -105,10 +105,15 @@ def _startup_summary(runtime: Runtime) -> None:
         s.lease_ttl_s,
         s.session_ttl_s,
     )
+    cluster = runtime.cluster_health()
+    status = runtime.coordinator.status()
     rates = ", ".join(f"{n}: {gbps:.1f} GB/s" for n, gbps in runtime.copy_rates.items())
     logger.info(
-        "blend matcher %s; coordinator standalone; copy threads %d (%s); %s",
+        "blend matcher %s; coordinator %s; L2 %s; deployment %r; copy threads %d (%s); %s",
         "on" if s.enable_blend else "off",
+        f"{status.url} ({cluster.coordinator})" if status.url else "standalone",
+        f"{runtime.l2.url} ({cluster.l2})" if runtime.l2 is not None else "off",
+        cluster.deployment,
         runtime.copier.threads,
         f"measured {rates}" if rates else "--copy-threads",
         streaming.describe(os.environ),

@@ -41,6 +41,11 @@ Semantics (``contract.schemas`` has the wire shapes):
   is refused with 422 before anything is copied. Positions past the end of a
   block-id list read as null.
 
+- With an L2 tier (``app.l2``): a committed chunk is queued for write-behind; a
+  lookup adds the chunks that follow its L1 hits and that L2 holds for every rank
+  (``LookupBatch.check_l2``, off the event loop); a retrieve that misses L1 fetches
+  the chunk from L2, checks it and promotes it into L1 before serving it.
+
 Lock order: the session manager's lock, then the pool's (``on_release`` runs
 under the former and takes the latter); the pool never calls back into sessions.
 """
@@ -60,6 +65,7 @@ from pydantic import ByteSize
 
 from app.blend import BlendMatcher
 from app.hashing import TokenHasher
+from app.l2 import CorruptValue, L2Tier, WriteJob, decode_value, l2_key
 from app.sessions import Session, SessionManager
 from app.telemetry import Telemetry
 from contract.errors import (
@@ -199,17 +205,42 @@ class LookupBatch:
         self._size = size
         self._results: list[LookupResult] = []
         self._hits = self._misses = 0
+        self._l2_hits = 0
+        # (result index, target, keys past the L1 hits) of items L2 may extend
+        self._l2_candidates: list[tuple[int, LookupTarget, list[bytes]]] = []
         self._started = time.perf_counter()
 
     def add(self, item: LookupTarget, tokens: np.ndarray) -> None:
-        result, hits, misses = self._service._lookup_one(item, tokens, self._size)
+        result, hits, misses, rest = self._service._lookup_one(item, tokens, self._size)
+        if rest:
+            self._l2_candidates.append((len(self._results), item, rest))
         self._results.append(result)
         self._hits += hits
         self._misses += misses
 
+    @property
+    def needs_l2(self) -> bool:
+        """True when ``check_l2`` has Redis calls to make (run it off the event loop)."""
+        return bool(self._l2_candidates)
+
+    def check_l2(self) -> None:
+        """Extend each item's L1 hits by the chunks that follow them in L2 (blocking I/O)."""
+        candidates, self._l2_candidates = self._l2_candidates, []
+        for index, item, rest in candidates:
+            extra = self._service._l2_leading(item, rest)
+            if extra:
+                old = self._results[index]
+                self._results[index] = LookupResult(
+                    request_id=old.request_id, hit_tokens=old.hit_tokens + extra * self._size
+                )
+                self._hits += extra
+                self._misses -= extra
+                self._l2_hits += extra
+
     def finish(self) -> LookupResponse:
         telemetry = self._service._telemetry
         telemetry.chunks_hit.inc(self._hits)
+        telemetry.chunks_l2_hit.inc(self._l2_hits)
         telemetry.chunks_missed.inc(self._misses)
         telemetry.op_seconds.labels("lookup").observe(time.perf_counter() - self._started)
         return LookupResponse(results=self._results)
@@ -239,6 +270,7 @@ class CacheService:
         copier: CopyPool | None = None,
         gate: FdGate | None = None,
         clock: Callable[[], float] = time.monotonic,
+        l2: L2Tier | None = None,
     ) -> None:
         self._hasher = hasher
         self._sessions = sessions
@@ -255,6 +287,7 @@ class CacheService:
         self._stopping = threading.Event()
         self._in_flight = 0
         self._idle = threading.Condition()
+        self.l2 = l2
         sessions.on_release = self._on_session_release
         pool.on_drop = self._on_pool_drop
         telemetry.pool_capacity_bytes.set(pool.capacity_bytes)
@@ -482,6 +515,8 @@ class CacheService:
         batch = self.lookup_batch()
         for item, tokens in items:
             batch.add(item, tokens)
+        if batch.needs_l2:
+            batch.check_l2()
         return batch.finish()
 
     def lookup_batch(self) -> LookupBatch:
@@ -490,8 +525,8 @@ class CacheService:
 
     def _lookup_one(
         self, item: LookupTarget, tokens: np.ndarray, size: int
-    ) -> tuple[LookupResult, int, int]:
-        """One item's result, its hit and its missed chunks."""
+    ) -> tuple[LookupResult, int, int, list[bytes]]:
+        """One item's result, its hit and missed chunks, and the keys L2 may still hold."""
         session, keys = self._sessions.keys_for(
             item.request_id, item.namespace, item.cache_salt, tokens
         )
@@ -501,7 +536,74 @@ class CacheService:
         if hits and self._lease_ttl_s > 0:
             session.leases.update(keys[:hits])
         result = LookupResult(request_id=item.request_id, hit_tokens=hits * size)
-        return result, hits, len(keys) - hits
+        rest = keys[hits:] if self.l2 is not None and self.l2.up else []
+        return result, hits, len(keys) - hits, rest
+
+    # ------------------------------------------------------------------ L2
+
+    def _l2_key(
+        self, namespace: str, layout: bytes, world_size: int, rank: int, chunk_key: bytes
+    ) -> bytes:
+        l2 = self.l2
+        assert l2 is not None
+        return l2_key(
+            deployment=l2.deployment,
+            namespace=namespace,
+            chunk_size=self._size(),
+            layout=layout,
+            world_size=world_size,
+            rank=rank,
+            chunk_key=chunk_key,
+        )
+
+    def _l2_leading(self, item: LookupTarget, keys: Sequence[bytes]) -> int:
+        """How many of ``keys`` L2 holds for every rank, in order (blocking I/O)."""
+        if self.l2 is None:
+            return 0
+        # A lookup names no registration: the chunk layout is that of the
+        # namespace's registrations here (none: nothing could be served anyway).
+        layout = self.registry.layout_for(item.namespace, item.world_size)
+        if layout is None:
+            return 0
+        ws = item.world_size
+        return self.l2.count_leading(
+            [[self._l2_key(item.namespace, layout, ws, r, key) for r in range(ws)] for key in keys]
+        )
+
+    def _l2_promote(self, reg: Registration, chunk_key: bytes, needed: int) -> Entry | None:
+        """Fetch a chunk L1 lacks from L2, check it, commit it to L1; return it pinned."""
+        l2 = self.l2
+        if l2 is None or not l2.up:
+            return None
+        layout = reg.layout.signature
+        key = self._l2_key(reg.namespace, layout, reg.world_size, reg.rank, chunk_key)
+        raw = l2.fetch(key)
+        if raw is None:
+            return None
+        try:
+            value = decode_value(
+                raw, chunk_key=chunk_key, rank=reg.rank, layout=layout, max_bytes=l2.max_value_bytes
+            )
+            expected = reg.chunk_bytes if value.present else 1
+            if len(value.payload) != expected:
+                raise CorruptValue(f"{len(value.payload)} payload bytes, expected {expected}")
+        except CorruptValue as exc:
+            l2.discard(key, str(exc))
+            return None
+        if needed & ~value.present:
+            return None  # L2's copy lacks a block the caller needs: a miss
+        entry = self.pool.begin_store(
+            chunk_key, reg.rank, nbytes=expected, layout=layout, present=value.present
+        )
+        if isinstance(entry, Entry):
+            try:
+                self.pool.view(entry).numpy()[:] = np.frombuffer(value.payload, dtype=np.uint8)
+            except BaseException:
+                self.pool.abort(entry)
+                raise
+            self.pool.commit(entry)
+            l2.served()
+        return self.pool.pin(chunk_key, reg.rank, layout, needed)
 
     @_timed("store")
     def store(
@@ -579,6 +681,20 @@ class CacheService:
             self.pool.commit(entry)
             if content_key is not None:
                 self._blend.add(content_key)
+            if self.l2 is not None:
+                layout = reg.layout.signature
+                self.l2.enqueue(
+                    WriteJob(
+                        key=self._l2_key(
+                            item.namespace, layout, reg.world_size, reg.rank, keys[chunk]
+                        ),
+                        chunk_key=keys[chunk],
+                        rank=reg.rank,
+                        layout=layout,
+                        present=mask,
+                        nbytes=entry.nbytes,
+                    )
+                )
             stored += 1
         self._telemetry.chunks_stored.inc(stored)
         self._telemetry.copied_bytes.labels("store").inc(copied)
@@ -647,7 +763,10 @@ class CacheService:
         if not timed_out:
             for chunk in chunks:
                 ids = self._chunk_ids(reg, it, chunk)
-                entry = self.pool.pin(keys[chunk], reg.rank, reg.layout.signature, slot_mask(ids))
+                needed = slot_mask(ids)
+                entry = self.pool.pin(keys[chunk], reg.rank, reg.layout.signature, needed)
+                if entry is None and not self._expired(deadline):
+                    entry = self._l2_promote(reg, keys[chunk], needed)
                 if entry is None:
                     break
                 pinned.append((ids, entry))

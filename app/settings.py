@@ -55,6 +55,8 @@ runs export them, and the servers that tests start inherit them."""
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 LogFormat = Literal["text", "json"]
 
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
@@ -85,7 +87,55 @@ class Settings(BaseSettings):
     )
     enable_blend: bool = Field(False, description="Enable the CacheBlend matcher.")
     coordinator_url: str | None = Field(
-        None, description="Networked coordinator (not supported yet; standalone if unset)."
+        None,
+        description="Redis/Valkey URL of the deployment's coordinator (redis://host:port/db, "
+        "rediss:// for TLS): the servers of one deployment agree on one chunk size and "
+        "list their members there. Unset: standalone.",
+    )
+    deployment: str = Field(
+        "default",
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="The servers that must agree on one chunk size and share one L2 tier.",
+    )
+    coordinator_optional: bool = Field(
+        False,
+        description="If the coordinator's or the L2's Redis cannot be reached at start, run "
+        "standalone (L1 only) with a warning instead of refusing to start.",
+    )
+    membership_ttl_s: float = Field(
+        15.0,
+        ge=1.0,
+        le=3600.0,
+        description="Seconds a member stays listed without renewing (renewed every third).",
+    )
+    l2_url: str | None = Field(
+        None,
+        description="Redis/Valkey URL of the shared L2 tier (redis://host:port/db, rediss:// "
+        "for TLS): committed chunks are written behind to it; an L1 miss found there is "
+        "promoted into L1 and served. Unset: L1 only.",
+    )
+    redis_password: SecretStr | None = Field(
+        None,
+        description="Password for coordinator and L2 URLs that carry none (set it as "
+        "MPCACHE_REDIS_PASSWORD to keep it off the command line).",
+    )
+    redis_timeout_s: float = Field(
+        2.0, gt=0, le=60.0, description="Seconds one Redis call may take before it fails."
+    )
+    l2_queue_chunks: int = Field(
+        256,
+        ge=1,
+        le=1_000_000,
+        description="Committed chunks waiting to be written to L2; more are dropped (counted).",
+    )
+    l2_max_value_size: ByteSize = Field(
+        "256MiB",
+        validate_default=True,
+        ge=4096,
+        le=512 * 1024**2,
+        description="Largest chunk written to or accepted from L2 (Redis allows 512MB).",
     )
     log_level: LogLevel = Field("info", description="Log level (case-insensitive).")
     log_format: LogFormat = Field(
@@ -179,6 +229,19 @@ class Settings(BaseSettings):
         if not host or len(host) > 253 or not all(_HOST_LABEL.fullmatch(x) for x in labels):
             raise ValueError(f"{value!r} is neither an IP address nor a host name")
         return host
+
+    @field_validator("coordinator_url", "l2_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        url = value.strip()
+        if not url.startswith(REDIS_SCHEMES):
+            raise ValueError(
+                "must be a Redis/Valkey URL: redis://host:port/db, rediss://host:port/db "
+                "(TLS) or unix:///path/to/socket"
+            )
+        return url
 
     @model_validator(mode="after")
     def _bounds(self) -> Settings:

@@ -18,14 +18,22 @@ from app.bindings import Binding, BindingPipeline
 from app.blend import BlendMatcher
 from app.bodies import BodyParser
 from app.chunk_size import ChunkSizeAuthority
-from app.coordinator import Coordinator, StandaloneCoordinator
+from app.coordinator import (
+    Coordinator,
+    RedisCoordinator,
+    StandaloneCoordinator,
+    member_info,
+)
 from app.hashing import TokenHasher
+from app.l2 import L2Tier
 from app.negotiation import NegotiationPolicy
+from app.redis_io import RedisUnavailable, connect, ping, redacted
 from app.service import CacheService
 from app.sessions import SessionManager
 from app.settings import Settings
 from app.telemetry import Telemetry
-from contract.errors import InvalidRequest
+from contract import __version__
+from contract.schemas import ClusterHealth, ClusterMember, ClusterResponse
 from contract.shm_naming import segment_name
 from dataplane.fdgate import FdGate, default_socket_path
 from dataplane.pool import Pool
@@ -33,7 +41,13 @@ from dataplane.registry import Registry
 from dataplane.segments import sweep_stale_segments
 from dataplane.transfer import CopyPool, configure_copy_threads, measure_copy_threads
 
-__all__ = ["BINDING_ORDER", "Runtime", "build_runtime"]
+__all__ = ["BINDING_ORDER", "Runtime", "StartupRefused", "build_runtime", "preflight"]
+
+logger = logging.getLogger(__name__)
+
+
+class StartupRefused(RuntimeError):
+    """The server cannot start as configured (the message names the setting)."""
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +73,7 @@ class Runtime:
     copier: CopyPool
     gate: FdGate
     parser: BodyParser = field(default_factory=BodyParser)
+    l2: L2Tier | None = None
     copy_rates: dict[int, float] = field(default_factory=dict)
     """GB/s per thread count measured at start (empty when --copy-threads was given)."""
     closed: bool = field(default=False)
@@ -66,6 +81,51 @@ class Runtime:
     @property
     def uptime_s(self) -> float:
         return time.monotonic() - self.started_at
+
+    def cluster_health(self) -> ClusterHealth:
+        """Coordinator and L2 state from what the background threads last saw (no I/O)."""
+        status = self.coordinator.status()
+        return ClusterHealth(
+            mode=status.mode,
+            deployment=status.deployment,
+            coordinator=status.state,
+            l2="off" if self.l2 is None else self.l2.state,
+        )
+
+    def cluster(self) -> ClusterResponse:
+        """``GET /cluster``: asks the coordinator for the live members (blocking I/O)."""
+        try:
+            members = self.coordinator.members()
+        except RedisUnavailable:
+            members = []
+        status = self.coordinator.status()
+        l2 = self.l2
+        details = [d for d in (status.detail, l2.detail if l2 else None) if d]
+        return ClusterResponse(
+            deployment=status.deployment,
+            mode=status.mode,
+            coordinator=status.state,
+            coordinator_url=status.url,
+            deployment_chunk_size=status.deployment_chunk_size,
+            chunk_size=self.chunk_size.final_size,
+            members=[
+                ClusterMember(
+                    member_id=m.member_id,
+                    chunk_size=m.info.get("chunk_size"),
+                    host=m.info.get("host"),
+                    port=m.info.get("port"),
+                    hostname=m.info.get("hostname"),
+                    version=m.info.get("version"),
+                    l2=m.info.get("l2"),
+                    expires_in_s=m.expires_in_s,
+                )
+                for m in members
+            ],
+            l2="off" if l2 is None else l2.state,
+            l2_url=None if l2 is None else l2.url,
+            l2_queued_chunks=0 if l2 is None else l2.queued(),
+            detail="; ".join(details) or None,
+        )
 
     def close(self) -> None:
         if self.closed:
@@ -77,6 +137,8 @@ class Runtime:
         try:
             self.gate.close()
             self.parser.close()
+            if self.l2 is not None:
+                self.l2.close()
             self.cache.close()
             self.sessions.close()
             self.registry.close()
@@ -88,12 +150,139 @@ class Runtime:
 
 def build_runtime(settings: Settings) -> Runtime:
     boot_id = uuid.uuid4().hex
-    if settings.coordinator_url:
-        raise InvalidRequest(
-            "MPCACHE_COORDINATOR_URL is set but networked coordinators are not supported "
-            "yet; unset it to run standalone"
-        )
-    hasher = TokenHasher()
+    telemetry = Telemetry()
+    coordinator = _coordinator(settings, boot_id, telemetry)
+    try:
+        return _build(settings, boot_id, telemetry, coordinator)
+    except BaseException:
+        coordinator.leave()
+        raise
+
+
+def _unreachable(setting: str, url: str, exc: Exception) -> StartupRefused:
+    return StartupRefused(
+        f"cannot reach {setting} {redacted(url)} ({exc}); start Redis/Valkey there, fix "
+        f"the URL, or pass --coordinator-optional (MPCACHE_COORDINATOR_OPTIONAL=1) to run "
+        "standalone, L1 only"
+    )
+
+
+def preflight(settings: Settings) -> None:
+    """Raise ``StartupRefused`` if a configured Redis does not answer (and the
+    coordinator is not optional): the CLI calls it before serving, for a one-line
+    error instead of a failed lifespan."""
+    if settings.coordinator_optional:
+        return
+    for setting, url in (
+        ("the coordinator (MPCACHE_COORDINATOR_URL)", settings.coordinator_url),
+        ("the L2 tier (MPCACHE_L2_URL)", settings.l2_url),
+    ):
+        if url is None:
+            continue
+        try:
+            ping(url, password=settings.redis_password, timeout_s=settings.redis_timeout_s)
+        except RedisUnavailable as exc:
+            raise _unreachable(setting, url, exc) from exc
+
+
+def _coordinator(settings: Settings, boot_id: str, telemetry: Telemetry) -> Coordinator:
+    """The deployment's coordinator; standalone without --coordinator-url (or, under
+    --coordinator-optional, when it cannot be reached at start)."""
+    telemetry.coordinator_up.set(1)
+    url = settings.coordinator_url
+    if url is None:
+        return StandaloneCoordinator(boot_id, settings.deployment)
+    client = connect(
+        url,
+        password=settings.redis_password,
+        timeout_s=settings.redis_timeout_s,
+        name=f"mpcache-coordinator-{boot_id[:8]}",
+    )
+    coordinator = RedisCoordinator(
+        client,
+        url=url,
+        deployment=settings.deployment,
+        member_id=boot_id,
+        info=member_info(settings.host, settings.port, __version__, settings.l2_url is not None),
+        ttl_s=settings.membership_ttl_s,
+        optional=settings.coordinator_optional,
+        on_state=lambda state: telemetry.coordinator_up.set(1 if state == "up" else 0),
+    )
+    try:
+        coordinator.connect()
+    except RedisUnavailable as exc:
+        client.close()
+        refusal = _unreachable("the coordinator (MPCACHE_COORDINATOR_URL)", url, exc)
+        if not settings.coordinator_optional:
+            raise refusal from exc
+        logger.warning("%s; --coordinator-optional: running standalone", refusal)
+        return StandaloneCoordinator(boot_id, settings.deployment)
+    return coordinator
+
+
+def _l2(settings: Settings, boot_id: str, pool: Pool, telemetry: Telemetry) -> L2Tier | None:
+    """The L2 tier, connected (None without --l2-url, or when unreachable under
+    --coordinator-optional)."""
+    url = settings.l2_url
+    if url is None:
+        return None
+    client = connect(
+        url,
+        password=settings.redis_password,
+        timeout_s=settings.redis_timeout_s,
+        name=f"mpcache-l2-{boot_id[:8]}",
+    )
+    l2 = L2Tier(
+        client,
+        url=url,
+        deployment=settings.deployment,
+        pool=pool,
+        telemetry=telemetry,
+        queue_chunks=settings.l2_queue_chunks,
+        max_value_bytes=int(settings.l2_max_value_size),
+    )
+    try:
+        l2.connect()
+    except RedisUnavailable as exc:
+        l2.close()
+        refusal = _unreachable("the L2 tier (MPCACHE_L2_URL)", url, exc)
+        if not settings.coordinator_optional:
+            raise refusal from exc
+        logger.warning("%s; --coordinator-optional: running without L2", refusal)
+        return None
+    return l2
+
+
+def _build(
+    settings: Settings, boot_id: str, telemetry: Telemetry, coordinator: Coordinator
+) -> Runtime:
+    # The L2 tier needs the pool (write-behind reads it) and gives the hasher its
+    # deployment-wide seed, so the pool comes first.
+    sweep_stale_segments()  # pools of crashed servers, KV caches of crashed workers
+    pool = Pool.create(segment_name("pool"), settings.pool_size, settings.pool_page_size)
+    try:
+        l2 = _l2(settings, boot_id, pool, telemetry)
+    except BaseException:
+        pool.close()
+        raise
+    try:
+        return _assemble(settings, boot_id, telemetry, coordinator, pool, l2)
+    except BaseException:
+        if l2 is not None:
+            l2.close()
+        pool.close()
+        raise
+
+
+def _assemble(
+    settings: Settings,
+    boot_id: str,
+    telemetry: Telemetry,
+    coordinator: Coordinator,
+    pool: Pool,
+    l2: L2Tier | None,
+) -> Runtime:
+    hasher = TokenHasher(l2.seed if l2 is not None else None)
     sessions = SessionManager(
         hasher,
         settings.session_ttl_s,
@@ -102,8 +291,6 @@ def build_runtime(settings: Settings) -> Runtime:
         evict_idle_s=settings.lease_ttl_s,
     )
     blend = BlendMatcher(settings.enable_blend)
-    telemetry = Telemetry()
-    coordinator = StandaloneCoordinator(boot_id)
     pipeline = BindingPipeline(
         [
             Binding("token_hasher", hasher.bind),
@@ -126,8 +313,6 @@ def build_runtime(settings: Settings) -> Runtime:
         threads, copy_rates = measure_copy_threads()
     configure_copy_threads(threads)
     copier = CopyPool(threads)
-    # Pools of crashed servers (each removal is logged).
-    sweep_stale_segments()
     registry = Registry()
     socket_path = settings.register_socket or default_socket_path(settings.port)
     gate = FdGate(
@@ -135,12 +320,6 @@ def build_runtime(settings: Settings) -> Runtime:
         on_disconnect=registry.release_connection,
         owns_directory=settings.register_socket is None,
     )
-    try:
-        pool = Pool.create(segment_name("pool"), settings.pool_size, settings.pool_page_size)
-    except BaseException:
-        gate.close()
-        copier.close()
-        raise
     try:
         gate.start()
         cache = CacheService(
@@ -154,6 +333,7 @@ def build_runtime(settings: Settings) -> Runtime:
             lease_ttl_s=settings.lease_ttl_s,
             copier=copier,
             gate=gate,
+            l2=l2,
         )
         if settings.pool_prefault:
             pool.start_prefault()
@@ -173,10 +353,10 @@ def build_runtime(settings: Settings) -> Runtime:
             cache=cache,
             copier=copier,
             gate=gate,
+            l2=l2,
             copy_rates=copy_rates,
         )
     except BaseException:
         gate.close()
         copier.close()
-        pool.close()
         raise

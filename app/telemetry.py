@@ -110,6 +110,40 @@ class Telemetry:
         self.copy_threads = Gauge(
             "mpcache_copy_threads", "Threads one chunk's copy uses (measured at start).", registry=r
         )
+        self.chunks_l2_hit = Counter(
+            "mpcache_chunks_l2_hit",
+            "Chunks lookups found in the shared L2 tier only (also counted in chunks_hit).",
+            registry=r,
+        )
+        self.l2_up = Gauge(
+            "mpcache_l2_up", "1 while the L2 tier answers, else 0 (0 without --l2-url).", registry=r
+        )
+        self.coordinator_up = Gauge(
+            "mpcache_coordinator_up",
+            "1 while the coordinator answers and agrees with this server's size, else 0 "
+            "(1 when standalone).",
+            registry=r,
+        )
+        self.l2_writes = Counter(
+            "mpcache_l2_writes",
+            "Committed chunks offered to L2, by outcome: written, queue_full, unavailable, "
+            "evicted (left L1 before written), too_large, error.",
+            ["outcome"],
+            registry=r,
+        )
+        self.l2_reads = Counter(
+            "mpcache_l2_reads",
+            "Chunks fetched from L2 by retrieves, by outcome: hit (promoted into L1), miss, "
+            "corrupt (refused and deleted), unavailable.",
+            ["outcome"],
+            registry=r,
+        )
+        self.l2_bytes = Counter(
+            "mpcache_l2_bytes", "Bytes written to and read from L2, by op.", ["op"], registry=r
+        )
+        self.l2_queue_chunks = Gauge(
+            "mpcache_l2_queue_chunks", "Committed chunks waiting to be written to L2.", registry=r
+        )
         self.request_seconds = Histogram(
             "mpcache_http_request_duration_seconds",
             "HTTP request latency by method, route template and status code.",

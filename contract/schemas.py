@@ -52,6 +52,9 @@ __all__ = [
     "BlendMatchResponse",
     "CacheOpResult",
     "ChunkSizeResponse",
+    "ClusterHealth",
+    "ClusterMember",
+    "ClusterResponse",
     "CudaIpcTensor",
     "EndSessionsRequest",
     "EndSessionsResponse",
@@ -235,6 +238,81 @@ class ChunkSizeResponse(_Reply):
     bindings: dict[str, BindingStatus] = Field(description="Binding name -> status.")
 
 
+class ClusterHealth(_Reply):
+    mode: Literal["standalone", "redis"] = Field(
+        description="`redis` with --coordinator-url, else `standalone`."
+    )
+    deployment: str
+    coordinator: Literal["standalone", "up", "down", "conflict"] = Field(
+        description="`down`: Redis unreachable (membership not renewed); `conflict`: the "
+        "deployment's published size differs from this server's."
+    )
+    l2: Literal["off", "up", "down"] = Field(
+        description="The shared L2 tier: `down` means L1 only until Redis answers again."
+    )
+
+
+class ClusterMember(_Reply):
+    member_id: str = Field(description="The member's boot_id.")
+    chunk_size: int | None = Field(description="Its final chunk size; null until final.")
+    host: str | None = None
+    port: int | None = None
+    hostname: str | None = None
+    version: str | None = None
+    l2: bool | None = Field(None, description="Whether it writes to and reads from L2.")
+    expires_in_s: float = Field(description="Seconds until it drops out unless it renews.")
+
+
+class ClusterResponse(_Reply):
+    model_config = ConfigDict(
+        frozen=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "deployment": "default",
+                    "mode": "redis",
+                    "coordinator": "up",
+                    "coordinator_url": "redis://redis.internal:6379/0",
+                    "deployment_chunk_size": 256,
+                    "chunk_size": 256,
+                    "members": [
+                        {
+                            "member_id": "5f0c3c1e9a2b4d7e8f10a2b3c4d5e6f7",
+                            "chunk_size": 256,
+                            "host": "10.0.0.5",
+                            "port": 8733,
+                            "hostname": "node-a",
+                            "version": "0.1.0",
+                            "l2": True,
+                            "expires_in_s": 12.4,
+                        }
+                    ],
+                    "l2": "up",
+                    "l2_url": "redis://redis.internal:6379/1",
+                    "l2_queued_chunks": 0,
+                }
+            ]
+        },
+    )
+
+    deployment: str
+    mode: Literal["standalone", "redis"]
+    coordinator: Literal["standalone", "up", "down", "conflict"]
+    coordinator_url: str | None = Field(description="Without its password.")
+    deployment_chunk_size: int | None = Field(
+        description="The size the deployment's members agreed on (null: none yet)."
+    )
+    chunk_size: int | None = Field(description="This server's final size (null: not yet).")
+    members: list[ClusterMember] = Field(
+        description="Live members, as last renewed (this server alone when standalone; "
+        "empty when the coordinator cannot be reached)."
+    )
+    l2: Literal["off", "up", "down"]
+    l2_url: str | None = Field(description="Without its password.")
+    l2_queued_chunks: int = Field(description="Committed chunks waiting to be written to L2.")
+    detail: str | None = Field(None, description="Why the coordinator or L2 is down, if it is.")
+
+
 class HealthResponse(_Reply):
     model_config = ConfigDict(
         frozen=True,
@@ -249,6 +327,12 @@ class HealthResponse(_Reply):
                     "sessions": 3,
                     "registrations": 2,
                     "version": "0.1.0",
+                    "cluster": {
+                        "mode": "standalone",
+                        "deployment": "default",
+                        "coordinator": "standalone",
+                        "l2": "off",
+                    },
                 }
             ]
         },
@@ -262,6 +346,9 @@ class HealthResponse(_Reply):
     sessions: int = Field(description="Live cache sessions.")
     registrations: int = Field(description="Registered worker KV caches.")
     version: str
+    cluster: ClusterHealth | None = Field(
+        None, description="Coordinator and L2 state (`GET /cluster` has the members)."
+    )
 
 
 # ---------------------------------------------------------------------- registration

@@ -190,6 +190,16 @@ class Registry:
         with self._lock:
             return len(self._regs)
 
+    def layout_for(self, namespace: str, world_size: int) -> bytes | None:
+        """The layout signature of a registration of ``namespace`` with ``world_size``
+        ranks (None if none): what a lookup, which names no registration, needs to
+        name a chunk outside L1."""
+        with self._lock:
+            for reg in self._regs.values():
+                if reg.namespace == namespace and reg.world_size == world_size:
+                    return reg.layout.signature
+        return None
+
     def add(
         self,
         reg: Registration,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -122,3 +123,67 @@ def server_process(
                 proc.wait(timeout=10)
         if proc.stdout:
             proc.stdout.close()
+
+
+class RedisServer:
+    """A real ``redis-server`` on a free 127.0.0.1 port with a temporary directory and
+    no persistence (``--save ''``); ``stop`` and ``start`` again keep the port, as a
+    restarted Redis would (and, like one without persistence, it comes back empty).
+    """
+
+    def __init__(self, workdir: Path, *, maxmemory: str = "64mb") -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (scripts/ensure_redis.sh)")
+        self.binary = binary
+        self.workdir = workdir
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.maxmemory = maxmemory
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
+        cmd += ["--save", "", "--appendonly", "no", "--dir", str(self.workdir)]
+        cmd += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
+        with open(self.workdir / "redis.log", "ab") as log:  # the child keeps its own copy
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        wait_until(self.answers, what=f"redis-server on port {self.port}")
+
+    def answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.kill()  # as a crash would: no goodbye to the clients
+        proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def redis_server(workdir: Path) -> Iterator[RedisServer]:
+    """Run a ``RedisServer`` for the block; it is stopped even when the block fails."""
+    server = RedisServer(workdir)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+def require_redis_server() -> None:
+    """Skip the calling test without ``redis-server`` (fail under CI, where
+    ``make test`` installs it: scripts/ensure_redis.sh)."""
+    import pytest
+
+    if shutil.which("redis-server") is None:
+        message = "redis-server is not installed (scripts/ensure_redis.sh installs it)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)

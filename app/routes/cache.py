@@ -4,7 +4,8 @@ Where each runs: every route is ``async`` and reads its own body (``app.bodies``
 JSON bodies over ``INLINE_BODY_BYTES`` are decoded in a helper process, never on
 the event loop). ``lookup`` and ``end`` then run on the event loop (no thread-pool
 hop): a lookup (JSON, or the binary form of ``contract.frames``, served item by item
-as it arrives) hashes and asks the pool, all cheap; only more than
+as it arrives) hashes and asks the pool, all cheap (with ``--l2-url``, L2 is asked
+about L1's misses from the thread pool, and awaited); only more than
 ``INLINE_LOOKUP_TOKENS`` tokens at once (a JSON lookup, or one item of a binary one)
 move to the thread pool, so that /health never waits long behind them. ``store``,
 ``retrieve`` and ``blend/match`` run in the thread pool: their copies (and blend's
@@ -24,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from app.bodies import json_body_doc, read_json
 from app.deps import GUARDED, GUARDED_RESPONSES, ReceivedAtDep, RegistrationTokenDep, RuntimeDep
 from app.problems import problem_doc
+from app.service import LookupBatch
 from app.state import Runtime
 from contract.errors import UnsupportedMediaType
 from contract.frames import LOOKUP_FRAME_MEDIA_TYPE, LookupFrameReader
@@ -113,6 +115,13 @@ async def _lookup_frame(request: Request, runtime: Runtime) -> LookupResponse:
         raise RequestValidationError(errors) from exc
     except ValueError as exc:
         raise _malformed("frame", str(exc)) from exc
+    return await _finish(batch)
+
+
+async def _finish(batch: LookupBatch) -> LookupResponse:
+    """The reply, once L2 (if any) was asked, from the thread pool, about L1's misses."""
+    if batch.needs_l2:
+        await run_in_threadpool(batch.check_l2)
     return batch.finish()
 
 
@@ -165,7 +174,10 @@ async def lookup(request: Request, runtime: RuntimeDep) -> Response:
     elif media_type in ("", "application/json") or media_type.endswith("+json"):
         req = await read_json(request, LookupRequest)
         if _num_tokens(req) <= INLINE_LOOKUP_TOKENS:
-            reply = _serve_json_lookup(runtime, req)
+            batch = runtime.cache.lookup_batch()
+            for item, tokens in _lookup_items(req):
+                batch.add(item, tokens)
+            reply = await _finish(batch)
         else:
             reply = await run_in_threadpool(_serve_json_lookup, runtime, req)
     else:

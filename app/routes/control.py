@@ -12,6 +12,7 @@ from app.problems import problem_doc
 from app.state import Runtime
 from contract.schemas import (
     ChunkSizeResponse,
+    ClusterResponse,
     HealthResponse,
     NegotiateRequest,
     NegotiateResponse,
@@ -89,4 +90,21 @@ async def health(runtime: RuntimeDep) -> HealthResponse:
         sessions=runtime.sessions.live_count(),
         registrations=runtime.registry.count(),
         version=__version__,
+        cluster=runtime.cluster_health(),
     )
+
+
+@router.get(
+    "/cluster",
+    response_model=ClusterResponse,
+    summary="The deployment: its chunk size, live members, coordinator and L2 state",
+    description=(
+        "With `--coordinator-url`, asks the coordinator (Redis/Valkey) for the "
+        "deployment's published chunk size and its live members; standalone, lists this "
+        "server alone. Never selects or freezes anything. When Redis cannot be reached "
+        "the reply still comes, with `coordinator: down` and no members."
+    ),
+)
+def cluster(runtime: RuntimeDep) -> ClusterResponse:
+    # A plain function: FastAPI runs it in its thread pool, off the event loop.
+    return runtime.cluster()

@@ -51,6 +51,7 @@ HEALTH_REPLY = {
     "sessions": 0,
     "registrations": 1,
     "version": "0.1.0",
+    "cluster": {"mode": "redis", "deployment": "d", "coordinator": "up", "l2": "down"},
 }
 CHUNK_REPLY = {
     "chunk_size": None,

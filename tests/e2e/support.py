@@ -230,9 +230,10 @@ class Server:
 
 
 @contextlib.contextmanager
-def mpcache_server(name: str, port: int | None = None) -> Iterator[Server]:
+def mpcache_server(name: str, port: int | None = None, *flags: str) -> Iterator[Server]:
     """A real mpcache server process (dev venv) on 127.0.0.1 with chunk size 256."""
-    with server_process("--chunk-size", str(CHUNK_SIZE), port=port, env=SERVER_ENV) as (
+    args = ("--chunk-size", str(CHUNK_SIZE), *flags)
+    with server_process(*args, port=port, env=SERVER_ENV) as (
         url,
         proc,
     ):
@@ -288,7 +289,13 @@ class Baselines:
 
 
 # Every connector engine the module runs, by driver name, and its model.
-ENGINE_DRIVERS = {"llama-engine-1": "llama", "llama-engine-2": "llama", "hybrid": "hybrid"}
+ENGINE_DRIVERS = {
+    "llama-engine-1": "llama",
+    "llama-engine-2": "llama",
+    "hybrid": "hybrid",
+    "node-a": "llama",
+    "node-b": "llama",
+}
 
 
 class EngineDrivers:

@@ -10,7 +10,9 @@ connector (``baselines``).
 The Llama story runs once for the module (engines are slow to start): a first
 engine generates the prompt twice; a fresh engine in a new driver generates it
 once; then its server is SIGKILLed and restarted on the same port while that
-engine keeps serving.
+engine keeps serving. Two nodes: an engine on server A generates the prompt, and a
+fresh engine on server B, which shares A's Redis as coordinator and L2 tier, finds
+the prefix in L2.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from tests.e2e.support import (
     metrics,
     mpcache_server,
 )
+from tests.support import redis_server, require_redis_server, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -256,3 +259,39 @@ def test_hybrid_model_caches_both_kv_cache_groups(
         # and of the sliding-window group only the blocks inside the window (the
         # others are null blocks vLLM never reads), so less than pass 1 stored.
         assert 0 < served.retrieve_bytes < served.store_bytes
+
+
+def test_two_nodes_engine_on_b_loads_what_engine_on_a_stored(
+    engine_drivers: EngineDrivers, baselines: Baselines, tmp_path: Path
+) -> None:
+    require_redis_server()
+    node_a, node_b = engine_drivers["node-a"], engine_drivers["node-b"]
+    baselines.models()
+    with redis_server(tmp_path) as redis:
+        flags = ("--coordinator-url", redis.url, "--l2-url", redis.url, "--deployment", "e2e")
+        with (
+            mpcache_server("node A", None, *flags) as a,
+            mpcache_server("node B", None, *flags) as b,
+        ):
+            node_a.extra_logs.append(a.log)
+            node_b.extra_logs.append(b.log)
+            node_a.call("open", "engine on A", engine=connector_engine(a))
+            stored = node_a.call("generate", "on A")
+            node_a.close()
+            written = 'mpcache_l2_writes_total{outcome="written"}'
+            wait_until(
+                lambda: metrics(a.url).get(written, 0.0) >= NUM_CHUNKS,
+                what="A writing the prefix behind to L2",
+            )
+            node_b.call("open", "engine on B", engine=connector_engine(b))
+            served = node_b.call("generate", "on B")
+            samples = metrics(b.url)
+            node_b.close()
+    baseline = baselines.tokens("llama")
+    observed = {"cached": [stored["num_cached_tokens"], served["num_cached_tokens"]]}
+    with explained([node_a, node_b], {**observed, "metrics B": samples}):
+        assert stored["num_cached_tokens"] == 0
+        assert served["num_cached_tokens"] == CACHED_PREFIX
+        assert stored["token_ids"] == served["token_ids"] == baseline
+        assert samples.get("mpcache_chunks_l2_hit_total") == NUM_CHUNKS
+        assert samples.get('mpcache_l2_reads_total{outcome="hit"}') == NUM_CHUNKS

@@ -1,0 +1,389 @@
+"""The shared L2 tier on Redis/Valkey (``--l2-url``), behind every server's L1 pool.
+
+Write-behind: a chunk committed to L1 is queued (``enqueue``, never blocking the
+store; a full queue or an unreachable Redis drops it, counted in
+``mpcache_l2_writes_total``) and one writer thread copies it out of the pool (pinned
+while copied) and ``SET``s it. Reads: a lookup counts the chunks that L1 lacks and
+L2 holds (``count_leading``, one pipelined round trip); a retrieve that misses L1
+fetches the chunk (``fetch``), checks it (``decode_value``) and promotes it into L1
+(``app.service``). Eviction is Redis's own: run it with a ``maxmemory`` and
+``maxmemory-policy allkeys-lru`` (README "Running on many nodes").
+
+Keys name everything that makes a chunk valid (``l2_key``)::
+
+    mpcache:l2:v1:<deployment>:<namespace hash>:<chunk size>:<layout hash>:
+        <world size>:<rank>:<chunk key>          (one key, split here)
+
+(the layout hash covers dtypes and tensor shapes; the chunk key, a keyed hash of the
+prefix, already covers namespace, cache salt and chunk size, and differs unless the
+servers share the hash seed, published by the first server as
+``mpcache:{<deployment>}:hash-seed``). Values are versioned, sized and checksummed
+(``encode_value``); a value that fails any check is deleted and counted
+``corrupt``, never served.
+
+Faults: any Redis error marks the tier ``down`` (``mpcache_l2_up`` 0, ``/health``);
+while down, lookups and retrieves are L1-only and writes are dropped; the writer
+thread probes Redis every ``PROBE_INTERVAL_S`` and marks it ``up`` when it answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import secrets
+import struct
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import redis
+import xxhash
+
+from app.redis_io import RedisUnavailable, redacted, translated
+from app.telemetry import Telemetry
+from dataplane.pool import Pool
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CorruptValue",
+    "L2State",
+    "L2Tier",
+    "WriteJob",
+    "decode_value",
+    "encode_header",
+    "l2_key",
+]
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MAGIC = b"MPL2"
+# magic, version, present-mask length, rank, payload length, checksum, chunk key, layout
+_HEADER = struct.Struct("<4sHHIQQ16s16s")
+PROBE_INTERVAL_S = 1.0
+MAX_LOOKUP_CHUNKS = 4096
+"""At most this many chunks of one lookup item are asked of L2 (one round trip)."""
+
+L2State = Literal["up", "down"]
+
+
+class CorruptValue(ValueError):
+    """An L2 value that is not a valid chunk for the key it was read under."""
+
+
+def _short_hash(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def l2_key(
+    *,
+    deployment: str,
+    namespace: str,
+    chunk_size: int,
+    layout: bytes,
+    world_size: int,
+    rank: int,
+    chunk_key: bytes,
+) -> bytes:
+    """The Redis key of one chunk of one rank (module docstring)."""
+    return (
+        f"mpcache:l2:v{FORMAT_VERSION}:{deployment}:{_short_hash(namespace.encode())}:"
+        f"{chunk_size}:{_short_hash(layout)}:{world_size}:{rank}:{chunk_key.hex()}"
+    ).encode()
+
+
+def _present_bytes(present: int) -> bytes:
+    return present.to_bytes(max(1, (present.bit_length() + 7) // 8), "little")
+
+
+def encode_header(chunk_key: bytes, rank: int, layout: bytes, present: int) -> bytes:
+    """The header of a value whose checksum and payload length are filled in later."""
+    mask = _present_bytes(present)
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, len(mask), rank, 0, 0, chunk_key, layout) + mask
+
+
+def seal(buf: bytearray, header_len: int) -> None:
+    """Write the payload length and checksum into a value built on ``encode_header``."""
+    payload_len = len(buf) - header_len
+    struct.pack_into("<Q", buf, 12, payload_len)
+    struct.pack_into("<Q", buf, 20, _checksum(buf))
+
+
+def _checksum(buf: bytes | bytearray | memoryview) -> int:
+    view = memoryview(buf)
+    h = xxhash.xxh3_64()
+    h.update(view[:20])  # everything but the checksum field itself
+    h.update(view[28:])
+    return h.intdigest()
+
+
+@dataclass(frozen=True)
+class Decoded:
+    present: int
+    payload: memoryview
+
+
+def decode_value(
+    raw: bytes, *, chunk_key: bytes, rank: int, layout: bytes, max_bytes: int
+) -> Decoded:
+    """Check a value read under the key of (``chunk_key``, ``rank``, ``layout``)."""
+    if len(raw) > max_bytes + _HEADER.size + 64:
+        raise CorruptValue(f"{len(raw)} bytes: over the {max_bytes}-byte bound")
+    if len(raw) < _HEADER.size:
+        raise CorruptValue(f"{len(raw)} bytes: shorter than the header")
+    magic, version, mask_len, v_rank, payload_len, checksum, v_key, v_layout = _HEADER.unpack_from(
+        raw
+    )
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise CorruptValue(f"format {magic!r} v{version}, expected {MAGIC!r} v{FORMAT_VERSION}")
+    header_len = _HEADER.size + mask_len
+    if payload_len != len(raw) - header_len or mask_len > 64:
+        raise CorruptValue(f"length {len(raw)} does not match its header")
+    if v_key != chunk_key or v_rank != rank or v_layout != layout:
+        raise CorruptValue("the value belongs to another chunk, rank or layout")
+    if checksum != _checksum(raw):
+        raise CorruptValue("checksum mismatch")
+    present = int.from_bytes(raw[_HEADER.size : header_len], "little")
+    return Decoded(present, memoryview(raw)[header_len:])
+
+
+@dataclass(frozen=True)
+class WriteJob:
+    """One committed L1 entry to copy to L2."""
+
+    key: bytes
+    """The L2 key."""
+    chunk_key: bytes
+    rank: int
+    layout: bytes
+    present: int
+    nbytes: int
+
+
+class L2Tier:
+    """Write-behind and reads of one deployment's L2 (see the module docstring)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        url: str,
+        deployment: str,
+        pool: Pool,
+        telemetry: Telemetry,
+        queue_chunks: int,
+        max_value_bytes: int,
+    ) -> None:
+        self._client = client
+        self.url = redacted(url)
+        self.deployment = deployment
+        self._pool = pool
+        self._telemetry = telemetry
+        self.max_value_bytes = max_value_bytes
+        self._queue: queue.Queue[WriteJob] = queue.Queue(maxsize=queue_chunks)
+        self._state: L2State = "down"
+        self._detail: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._seed_key = f"mpcache:{{{deployment}}}:hash-seed"
+        self._seed = 0
+        telemetry.l2_queue_chunks.set_function(self._queue.qsize)
+        telemetry.l2_up.set(0)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def connect(self) -> int:
+        """Check that Redis answers, start the writer; return the deployment's hash seed.
+
+        The first server of the deployment publishes a random seed; the others use it,
+        so that equal prompts get equal chunk keys on every server.
+        """
+        with translated(f"L2 {self.url}"):
+            self._client.set(self._seed_key, str(secrets.randbits(64)), nx=True)
+            raw = self._client.get(self._seed_key)
+        if raw is None:
+            raise RedisUnavailable(f"L2 {self.url}: the hash seed vanished as it was set")
+        self._seed = int(raw)
+        self._set_state("up", None)
+        self._thread = threading.Thread(target=self._run, name="mpcache-l2-writer", daemon=True)
+        self._thread.start()
+        return self._seed
+
+    def close(self) -> None:
+        """Stop the writer (queued chunks not yet written are dropped) and disconnect."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._client.close()
+
+    @property
+    def seed(self) -> int:
+        """The deployment's hash seed (``connect`` fetched it)."""
+        return self._seed
+
+    @property
+    def up(self) -> bool:
+        return self._state == "up"
+
+    @property
+    def state(self) -> L2State:
+        return self._state
+
+    @property
+    def detail(self) -> str | None:
+        return self._detail
+
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    # ------------------------------------------------------------------ writes
+
+    def enqueue(self, job: WriteJob) -> None:
+        """Queue a committed chunk for L2; never blocks (a drop is counted)."""
+        writes = self._telemetry.l2_writes
+        if not self.up:
+            writes.labels("unavailable").inc()
+        elif job.nbytes > self.max_value_bytes:
+            writes.labels("too_large").inc()
+        else:
+            try:
+                self._queue.put_nowait(job)
+            except queue.Full:
+                writes.labels("queue_full").inc()
+
+    def _write(self, job: WriteJob) -> None:
+        writes = self._telemetry.l2_writes
+        entry = self._pool.pin(job.chunk_key, job.rank, job.layout, job.present)
+        if entry is None:
+            writes.labels("evicted").inc()  # gone from L1 before its turn
+            return
+        try:
+            header = encode_header(job.chunk_key, job.rank, job.layout, entry.present)
+            buf = bytearray(len(header) + entry.nbytes)
+            buf[: len(header)] = header
+            np.frombuffer(buf, dtype=np.uint8, offset=len(header))[:] = self._pool.view(
+                entry
+            ).numpy()
+        finally:
+            self._pool.unpin(entry)
+        seal(buf, len(header))
+        with translated(f"L2 {self.url}"):
+            self._client.set(job.key, bytes(buf))
+        writes.labels("written").inc()
+        self._telemetry.l2_bytes.labels("write").inc(len(buf))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.up:
+                self._probe()
+                self._stop.wait(PROBE_INTERVAL_S)
+                continue
+            try:
+                job = self._queue.get(timeout=PROBE_INTERVAL_S)
+            except queue.Empty:
+                continue
+            try:
+                self._write(job)
+            except RedisUnavailable as exc:
+                self._telemetry.l2_writes.labels("unavailable").inc()
+                self._down(exc)
+            except Exception:
+                self._telemetry.l2_writes.labels("error").inc()
+                logger.exception("L2 write failed")
+
+    def _probe(self) -> None:
+        try:
+            with translated(f"L2 {self.url}"):
+                self._client.ping()
+                # Redis may have restarted empty: give it the seed this server hashes with.
+                self._client.set(self._seed_key, str(self._seed), nx=True)
+        except RedisUnavailable as exc:
+            self._detail = str(exc)
+            return
+        self._drain()
+        self._set_state("up", None)
+
+    def _drain(self) -> None:
+        """Drop what was queued before Redis went down (counted)."""
+        for _ in range(self._queue.maxsize):
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._telemetry.l2_writes.labels("unavailable").inc()
+
+    # ------------------------------------------------------------------ reads
+
+    def count_leading(self, chunks: Sequence[Sequence[bytes]]) -> int:
+        """How many leading ``chunks`` (each: its keys, one per rank) L2 holds in full.
+
+        0 when L2 is down or fails (it is then marked down).
+        """
+        if not self.up or not chunks:
+            return 0
+        chunks = chunks[:MAX_LOOKUP_CHUNKS]
+        try:
+            with translated(f"L2 {self.url}"):
+                pipe = self._client.pipeline(transaction=False)
+                for keys in chunks:
+                    pipe.exists(*keys)
+                counts = pipe.execute()
+        except RedisUnavailable as exc:
+            self._down(exc)
+            return 0
+        hits = 0
+        for keys, count in zip(chunks, counts, strict=True):
+            if int(count) != len(keys):
+                break
+            hits += 1
+        return hits
+
+    def fetch(self, key: bytes) -> bytes | None:
+        """The raw value under ``key``; None if absent, or L2 is down or fails."""
+        if not self.up:
+            return None
+        try:
+            with translated(f"L2 {self.url}"):
+                raw = self._client.get(key)
+        except RedisUnavailable as exc:
+            self._telemetry.l2_reads.labels("unavailable").inc()
+            self._down(exc)
+            return None
+        if raw is None:
+            self._telemetry.l2_reads.labels("miss").inc()
+            return None
+        self._telemetry.l2_bytes.labels("read").inc(len(raw))
+        assert isinstance(raw, bytes)
+        return raw
+
+    def discard(self, key: bytes, reason: str) -> None:
+        """Delete a value that failed its checks (counted ``corrupt``)."""
+        self._telemetry.l2_reads.labels("corrupt").inc()
+        logger.warning("L2 value %s refused and deleted: %s", key.decode(), reason)
+        try:
+            with translated(f"L2 {self.url}"):
+                self._client.delete(key)
+        except RedisUnavailable as exc:
+            self._down(exc)
+
+    def served(self) -> None:
+        self._telemetry.l2_reads.labels("hit").inc()
+
+    # ------------------------------------------------------------------ state
+
+    def _down(self, exc: Exception) -> None:
+        self._set_state("down", str(exc))
+
+    def _set_state(self, state: L2State, detail: str | None) -> None:
+        previous, self._state, self._detail = self._state, state, detail
+        self._telemetry.l2_up.set(1 if state == "up" else 0)
+        if previous == state:
+            return
+        if state == "down":
+            logger.warning("L2 %s unreachable, serving from L1 only: %s", self.url, detail)
+        elif self._thread is not None:
+            logger.info("L2 %s reachable again: write-behind and L2 reads resume", self.url)
