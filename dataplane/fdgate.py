@@ -35,6 +35,7 @@ import stat
 import struct
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -50,7 +51,15 @@ from contract.fdpass import (
     seals_of,
 )
 
-__all__ = ["FdGate", "GateError", "Peer", "SealedMemory", "default_socket_path", "map_sealed"]
+__all__ = [
+    "FdGate",
+    "GateError",
+    "Peer",
+    "SealedMemory",
+    "default_socket_path",
+    "map_sealed",
+    "sweep_stale_socket_dirs",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -201,11 +210,54 @@ class _Conn:
 
 
 def default_socket_path(port: int) -> Path:
-    """A socket in a new private directory (mode 0700) under $XDG_RUNTIME_DIR or /tmp."""
+    """A socket in a new private directory (mode 0700) under $XDG_RUNTIME_DIR or /tmp.
+
+    Directories that killed servers left there are removed first
+    (``sweep_stale_socket_dirs``)."""
     base = os.environ.get("XDG_RUNTIME_DIR")
     if not base or not os.path.isdir(base) or len(base) > 60:
         base = None
+    sweep_stale_socket_dirs(Path(base or tempfile.gettempdir()))
     return Path(tempfile.mkdtemp(prefix=f"mpcache-{port}-", dir=base)) / _SOCKET_NAME
+
+
+def sweep_stale_socket_dirs(base: Path, *, min_age_s: float = 60.0) -> list[Path]:
+    """Remove ``base/mpcache-*`` directories of ours that hold nothing but a socket no
+    server listens on (its server was killed); return them. Never raises.
+
+    A socket younger than ``min_age_s`` is left alone: its server may be between
+    ``bind`` and ``listen``."""
+    removed = []
+    try:
+        candidates = sorted(base.glob("mpcache-*"))
+    except OSError:
+        return []
+    for folder in candidates:
+        sock_path = folder / _SOCKET_NAME
+        try:
+            info = os.lstat(folder)
+            if (
+                not stat.S_ISDIR(info.st_mode)
+                or info.st_uid != os.geteuid()
+                or os.listdir(folder) != [_SOCKET_NAME]
+                or not stat.S_ISSOCK(os.lstat(sock_path).st_mode)
+                or time.time() - os.lstat(sock_path).st_mtime < min_age_s
+            ):
+                continue
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(sock_path))
+                continue  # a live server
+            except ConnectionRefusedError:
+                pass
+            finally:
+                probe.close()
+            os.unlink(sock_path)
+            os.rmdir(folder)
+        except OSError:
+            continue
+        removed.append(folder)
+    return removed
 
 
 class FdGate:

@@ -20,7 +20,7 @@ import pytest
 from contract.fdpass import F_SEAL_GROW, F_SEAL_SHRINK, MAX_FDS_PER_HANDSHAKE
 from contract.schemas import REGISTRATION_TOKEN_HEADER
 from contract.shm_naming import SHM_DIR, segment_name
-from dataplane.fdgate import FdGate
+from dataplane.fdgate import FdGate, sweep_stale_socket_dirs
 from tests.dataplane.support import (
     CacheClient,
     KVFactory,
@@ -396,3 +396,19 @@ def test_socket_directory_is_private(make_client: ClientFactory) -> None:
     assert os.stat(path).st_mode & 0o777 == 0o600
     assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
     assert F_SEAL_SHRINK  # the constant the server checks is defined on this platform
+
+
+def test_socket_directories_of_killed_servers_are_swept(tmp_path: Any) -> None:
+    dead, live, other = tmp_path / "mpcache-1-dead", tmp_path / "mpcache-2-live", tmp_path / "x"
+    for folder in (dead, live, other):
+        folder.mkdir(mode=0o700)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gone:
+        gone.bind(str(dead / "register.sock"))  # bound, then closed: nobody listens
+    gate = FdGate(live / "register.sock", on_disconnect=lambda _: None)
+    gate.start()
+    try:
+        assert sweep_stale_socket_dirs(tmp_path, min_age_s=60) == []  # too young to judge
+        assert sweep_stale_socket_dirs(tmp_path, min_age_s=0) == [dead]
+        assert not dead.exists() and gate.path.exists() and other.exists()
+    finally:
+        gate.close()
