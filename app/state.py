@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 class StartupRefused(RuntimeError):
     """The server cannot start as configured (the message names the setting)."""
 
+
 logger = logging.getLogger(__name__)
 
 
