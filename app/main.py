@@ -53,10 +53,11 @@ a body over `--max-body-size` is refused with 413.
 `POST /negotiate` (selects chunk size 288: alignment 96 over the default minimum 256),
 `GET /chunk-size`, `POST /cache/lookup` (0 hit tokens: nothing is cached yet),
 `POST /cache/blend/match` (needs `--enable-blend`; 409 otherwise), `POST /cache/end`.
-`POST /register` needs tickets for a vLLM worker's sealed memfds (passed over the
-socket `GET /register` names) or a CUDA IPC handle, and store and retrieve need a
-registration and its token, so their examples show the shape of a call and answer
-with a problem body here.
+`POST /register` needs a ticket for a vLLM worker's sealed memfd (passed over the
+socket `GET /register` names; one-time, so no static example can hold one) or a CUDA
+IPC handle; with a live ticket in its `ticket` field, the register example succeeds,
+and then so do the store and retrieve examples, sent with the `registration_token`
+it returned in the `mpcache-registration-token` header.
 
 **Credentials.** With `MPCACHE_API_TOKEN` set, every mutating route (`POST`,
 `DELETE`) needs `Authorization: Bearer <token>` (401 otherwise); reads stay open.

@@ -38,9 +38,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import MIN_ROUNDS, Rounds, load_line, summary
-from bench.dataplane_bench import BLOCK, CHUNK, HEAD_DIM, KV_HEADS, KVCache, b64, transfer
+from bench.dataplane_bench import BLOCK, CHUNK, HEAD_DIM, KV_HEADS, TOKENS, KVCache, b64, transfer
 from contract.shm_naming import segment_name
 from dataplane.segments import Segment
+from tests.dataplane.support import register_over
 from tests.support import RedisServer, server_process, wait_until
 
 NAMESPACE = "bench/l2"
@@ -98,8 +99,8 @@ def main() -> None:
         a, b = (stack.enter_context(httpx.Client(base_url=u, timeout=120.0)) for u in urls)
         for http, kv, name in ((a, kv_a, "a"), (b, kv_b, "b")):
             http.post("/negotiate", json={"required_alignment": BLOCK}).raise_for_status()
-            body = kv.register_body(name, NAMESPACE)
-            http.post("/register", json=body).raise_for_status()
+            TOKENS[name], sock = register_over(http, kv.register_body(name, NAMESPACE))
+            stack.callback(sock.close)  # the registration lives while its socket is open
         dst = np.frombuffer(dst_segment.buffer, dtype=np.uint8)
         src = kv_a.array[:nbytes]
         np.copyto(dst, src)

@@ -40,7 +40,7 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
 
-from contract.tokens import decode_tokens
+from contract.tokens import decode_tokens, encode_tokens
 
 __all__ = [
     "MAX_WORLD_SIZE",
@@ -416,7 +416,7 @@ class RegisterRequest(_Body):
                     "instance_id": "engine-0",
                     "rank": 0,
                     "world_size": 1,
-                    "chunk_size": 256,
+                    "chunk_size": 288,
                     "namespace": "meta-llama/Llama-3.1-8B@3f9a1c2b",
                     "groups": [{"group_id": 0, "kind": "attention", "token_span": 16}],
                     "layers": [
@@ -428,8 +428,8 @@ class RegisterRequest(_Body):
                                     "transport": "memfd",
                                     "ticket": "tk_Jx0r4QmS2w7c5bVd1Q9uEo3yHk8nLp6a",
                                     "offset_bytes": 0,
-                                    "shape": [2, 513, 16, 8, 128],
-                                    "stride": [8404992, 16384, 1024, 128, 1],
+                                    "shape": [2, 64, 16, 8, 128],
+                                    "stride": [1048576, 16384, 1024, 128, 1],
                                     "dtype": "bfloat16",
                                     "block_dim": 1,
                                 }
@@ -457,9 +457,9 @@ class RegisterResponse(_Reply):
                 {
                     "instance_id": "engine-0",
                     "rank": 0,
-                    "chunk_size": 256,
-                    "num_layers": 32,
-                    "chunk_bytes": 33554432,
+                    "chunk_size": 288,
+                    "num_layers": 1,
+                    "chunk_bytes": 1179648,
                     "refreshed": False,
                     "registration_token": "rt_8c4q0mW2yZbT5uNf7pXa3dLk9sJh1gVe6rCo",
                 }
@@ -649,6 +649,13 @@ class TransferItem(TokenSpan):
     block_ids: list[list[BlockId]] = Field(description="Per group, the request's blocks.")
 
 
+_EXAMPLE_CHUNK = 288
+"""The chunk size the ``/negotiate`` example selects (alignment 96 over the default
+minimum 256): the register, store and retrieve examples fit it, so they succeed when
+tried in that order on a fresh server (tests/app/test_openapi_examples.py)."""
+_EXAMPLE_TOKENS_B64 = encode_tokens(range(1000, 1000 + _EXAMPLE_CHUNK))
+
+
 class _TransferBatch(_Body):
     """The transfers of one engine step for one registered worker (instance, rank)."""
 
@@ -663,12 +670,10 @@ class _TransferBatch(_Body):
                             "request_id": "req-7",
                             "namespace": "meta-llama/Llama-3.1-8B@3f9a1c2b",
                             "cache_salt": None,
-                            "tokens_b64": "AQAAAAIAAAADAAAA",
+                            "tokens_b64": _EXAMPLE_TOKENS_B64,
                             "start_token": 0,
-                            "end_token": 512,
-                            "block_ids": [
-                                [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
-                            ],
+                            "end_token": _EXAMPLE_CHUNK,
+                            "block_ids": [list(range(3, 3 + _EXAMPLE_CHUNK // 16))],
                         }
                     ],
                 }
@@ -712,7 +717,7 @@ class StoreResponse(_Reply):
                     "results": [
                         {
                             "request_id": "req-7",
-                            "stored_chunks": 2,
+                            "stored_chunks": 1,
                             "present_chunks": 0,
                             "failed_chunks": 0,
                         }

@@ -3,10 +3,8 @@
 
 - Tried in the order the API description gives, on a fresh server, every request
   example of a route that needs no registration succeeds.
-- The routes that need a live registration (``NEEDS_REGISTRATION``) answer their
-  examples with a documented status; REGISTERED_EXAMPLES is the hook where they are
-  tried against a worker registered through the connector once registration
-  passes memory by fd (issue 8, item 1).
+- The routes that need a live registration succeed too, in
+  order, once a real sealed memfd's ticket fills the register example's ``ticket``.
 - ``tokens``/``tokens_b64``: the schema says exactly one (``oneOf``), as the server does.
 - Integer fields have integer bounds; every status a route can answer is documented.
 """
@@ -14,6 +12,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +22,9 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
+from contract.schemas import REGISTRATION_TOKEN_HEADER
 from scripts.gen_openapi import render
+from tests.dataplane.support import WorkerSocket, sealed_memfd, with_tickets
 
 ORDERED = [
     ("get", "/health"),
@@ -34,12 +36,6 @@ ORDERED = [
 ]
 """The order of the API description (``app.main.DESCRIPTION``); blend needs
 ``--enable-blend``."""
-
-NEEDS_REGISTRATION = [("post", "/register"), ("post", "/cache/store"), ("post", "/cache/retrieve")]
-
-REGISTERED_EXAMPLES: list[tuple[str, str]] = []
-"""(hook) routes whose examples succeed once a worker is registered through the
-connector's public adapter; filled when registration passes memory by fd."""
 
 
 @pytest.fixture
@@ -75,20 +71,48 @@ def test_request_examples_succeed_in_order_on_a_fresh_server(
         assert str(reply.status_code) in documented, (method, path, reply.status_code)
 
 
-def test_examples_that_need_a_registration_get_a_documented_answer(
+def test_examples_that_need_a_registration_succeed_with_a_live_worker_memfd(
     spec: dict[str, Any], fresh: TestClient
 ) -> None:
+    """register, store, retrieve: each example as published, in order, on a fresh server.
+
+    The one thing no static example can carry is the ticket (a worker's sealed memfd,
+    passed over the registration socket, is one-time), so only that field is filled in.
+    """
     assert fresh.post("/negotiate", json=_example(spec, "post", "/negotiate")).status_code == 200
-    for method, path in NEEDS_REGISTRATION:
-        if (method, path) in REGISTERED_EXAMPLES:
-            continue
-        reply = fresh.request(method.upper(), path, json=_example(spec, method, path))
-        assert str(reply.status_code) in spec["paths"][path][method]["responses"], (
-            path,
-            reply.status_code,
-            reply.text,
+    register = _example(spec, "post", "/register")
+    assert register is not None
+    tensor = register["layers"][0]["tensors"][0]
+    nbytes = 2 * math.prod(tensor["shape"])  # bfloat16
+    fd = sealed_memfd(nbytes, "mpcache-example-kv")
+    worker = WorkerSocket(fresh.get("/register").json()["socket_path"])
+    try:
+        tensor["ticket"] = f"fd:{fd}"
+        reply = fresh.post("/register", json=with_tickets(register, worker))
+        assert reply.status_code == 200, reply.text
+        token = {REGISTRATION_TOKEN_HEADER: reply.json()["registration_token"]}
+
+        store = fresh.post(
+            "/cache/store", json=_example(spec, "post", "/cache/store"), headers=token
         )
-        assert reply.status_code < 500, reply.text
+        assert store.status_code == 200, store.text
+        assert store.json()["results"][0]["stored_chunks"] == 1
+
+        retrieve = _example(spec, "post", "/cache/retrieve")
+        assert retrieve is not None
+        got = fresh.post("/cache/retrieve", json=retrieve, headers=token)
+        assert got.status_code == 200, got.text
+        result = got.json()["results"][0]
+        assert result["loaded_tokens"] == retrieve["requests"][0]["end_token"]
+        assert result["failed_block_ids"] == []
+
+        gone = fresh.delete(
+            f"/register/{register['instance_id']}/{register['rank']}", headers=token
+        )
+        assert gone.status_code == 204, gone.text
+    finally:
+        worker.close()
+        os.close(fd)
 
 
 def _components(spec: dict[str, Any], name: str) -> dict[str, Any]:

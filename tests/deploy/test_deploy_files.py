@@ -94,6 +94,10 @@ def test_healthcheck_follows_the_server_wherever_it_listens(name: str) -> None:
     assert ("ENTRYPOINT", '["mpcache", "server"]') in steps
 
 
+SOCKET_DIR = "/run/mpcache"
+SOCKET = f"{SOCKET_DIR}/register.sock"
+
+
 def _documents(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
@@ -107,6 +111,11 @@ def test_kubernetes_examples() -> None:
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             assert server[probe]["httpGet"] == {"path": "/health", "port": DEFAULT_PORT}
         assert "runAsUser" in pod["securityContext"], path.name  # one uid for the pod
+        # The registration socket sits in a directory every container of the pod sees.
+        assert server["args"][server["args"].index("--register-socket") + 1] == SOCKET
+        for container in pod["containers"]:
+            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            assert mounts[SOCKET_DIR] == "mpcache-run", (path.name, container["name"])
         if pod.get("hostIPC"):
             continue
         # Sidecar: one memory-backed /dev/shm shared by both containers.
@@ -124,6 +133,10 @@ def test_compose_shares_ipc_and_user() -> None:
     assert vllm["ipc"] == "service:mpcache" and server["ipc"] == "shareable"
     assert server["user"] == vllm["user"]
     assert "shm_size" in server
+    socket = server["command"][server["command"].index("--register-socket") + 1]
+    assert socket == SOCKET
+    for service in (server, vllm):
+        assert f"mpcache-run:{SOCKET_DIR}" in service["volumes"]
     url = json.loads(vllm["command"][-1])["kv_connector_extra_config"]["mpcache.server_urls"]
     assert url == f"http://mpcache:{DEFAULT_PORT}"
 
