@@ -187,3 +187,20 @@ def require_redis_server() -> None:
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
+
+
+def quick_connector_config(url: str, **overrides: Any) -> Any:
+    """A connector config for one server that notices a dead server within a second:
+    heartbeat every 0.2 s, 1 s ping timeout; ``overrides`` replace any field."""
+    from connector.config import ConnectorConfig
+
+    fields: dict[str, Any] = {
+        "server_urls": (url,),
+        "heartbeat_interval_s": 0.2,
+        "heartbeat_timeout_s": 1.0,
+        "request_timeout_s": 5.0,
+        "lookup_timeout_s": 3.0,
+        "startup_timeout_s": 20.0,
+        **overrides,
+    }
+    return ConnectorConfig(**fields)

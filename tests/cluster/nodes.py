@@ -16,6 +16,7 @@ from connector.config import ConnectorConfig
 from connector.scheduler import SchedulerAdapter
 from connector.worker import WorkerAdapter
 from tests.connector.fakes import AttnSpec, FakeBlocks, FakeRequest, Group, NewReq, StepOutput, ask
+from tests.support import quick_connector_config
 
 NUM_BLOCKS = 32
 BLOCK_SIZE = 16
@@ -24,14 +25,8 @@ LAYERS = ("l0", "l1")
 
 
 def _config(url: str) -> ConnectorConfig:
-    return ConnectorConfig(
-        server_urls=(url,),
-        heartbeat_interval_s=0.2,
-        heartbeat_timeout_s=1.0,
-        request_timeout_s=5.0,
-        lookup_timeout_s=3.0,
-        startup_timeout_s=20.0,
-    )
+    config: ConnectorConfig = quick_connector_config(url)
+    return config
 
 
 class Instance:

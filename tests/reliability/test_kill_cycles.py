@@ -32,7 +32,7 @@ from connector.worker import WorkerAdapter
 from contract.tokens import encode_tokens
 from tests.connector.fakes import AttnSpec, Group
 from tests.reliability.support import shm_bytes
-from tests.support import free_port, server_process, wait_until
+from tests.support import free_port, quick_connector_config, server_process, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability]
 
@@ -48,14 +48,10 @@ SRC, DST, BUSY = list(range(1, 9)), list(range(9, 17)), list(range(17, 25))
 
 
 def _config(url: str) -> ConnectorConfig:
-    return ConnectorConfig(
-        server_urls=(url,),
-        heartbeat_interval_s=0.2,
-        heartbeat_timeout_s=1.0,
-        request_timeout_s=5.0,
-        lookup_timeout_s=2.0,
-        startup_timeout_s=60.0,
+    config: ConnectorConfig = quick_connector_config(
+        url, lookup_timeout_s=2.0, startup_timeout_s=60.0
     )
+    return config
 
 
 def _prompt(tag: int) -> list[int]:
