@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from contract.errors import MPCacheError, Unavailable
 from contract.schemas import Problem
@@ -58,6 +59,19 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, list[dict[st
     return "; ".join(parts) or "the request body is not valid", errors
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at the request's path.
+
+    Starlette's 405 names only the methods of the first route that matched the path,
+    and ``/register`` has two (GET and POST)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "GET"})
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map every error the app can raise to one problem-style body."""
 
@@ -76,7 +90,7 @@ def install_error_handlers(app: FastAPI) -> None:
             422, "Malformed request", "malformed-request", detail, errors=errors
         )
 
-    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         if exc.status_code == 400 and exc.detail == FASTAPI_BODY_ERROR:
             # FastAPI's own body parsing (routes that take a model argument) fails so
@@ -88,12 +102,15 @@ def install_error_handlers(app: FastAPI) -> None:
                 "body: the body is not JSON text (it must be UTF-8)",
                 errors=[{"loc": [], "msg": "not UTF-8 JSON", "type": "json_invalid"}],
             )
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = ", ".join(_allowed_methods(request))
         return problem_response(
             exc.status_code,
             "Not found" if exc.status_code == 404 else "HTTP error",
             "not-found" if exc.status_code == 404 else "http",
             str(exc.detail),
-            dict(exc.headers or {}),
+            headers,
         )
 
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:

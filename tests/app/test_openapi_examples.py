@@ -168,3 +168,14 @@ def test_every_status_a_route_answers_is_documented(
     spec: dict[str, Any], method: str, path: str, statuses: set[str]
 ) -> None:
     assert statuses <= set(spec["paths"][path][method]["responses"])
+
+
+@pytest.mark.parametrize("method", ["OPTIONS", "PUT"])
+def test_a_405_names_every_method_the_path_serves(
+    spec: dict[str, Any], fresh: TestClient, method: str
+) -> None:
+    reply = fresh.request(method, "/register")
+    assert reply.status_code == 405
+    assert reply.headers["content-type"].startswith("application/problem+json")
+    documented = {m.upper() for m in spec["paths"]["/register"]}
+    assert set(reply.headers["allow"].split(", ")) == documented == {"GET", "POST"}
