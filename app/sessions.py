@@ -173,10 +173,11 @@ class SessionManager:
                 "raise --session-memory (MPCACHE_SESSION_MEMORY) or send a shorter prompt",
                 request_id=session.request_id,
             )
-        live = self._sessions.get(session.request_id) is session
-        have = session.charged_bytes if live else 0
 
         def fits() -> bool:
+            # Re-read each time: expiry may have dropped ``session`` itself.
+            live = self._sessions.get(session.request_id) is session
+            have = session.charged_bytes if live else 0
             count = len(self._sessions) + (0 if live else 1)
             return self._bytes - have + need <= self._max_bytes and count <= self._max_sessions
 

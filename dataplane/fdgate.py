@@ -63,6 +63,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+_JOIN_TIMEOUT_S = 5.0
+"""How long shutdown waits for the socket thread."""
+
 _TMPFS_MAGIC = 0x01021994  # <linux/magic.h>: shmem, which backs every memfd but hugetlb
 _SOCKET_NAME = "register.sock"
 _MAX_PATH_BYTES = 107  # sun_path holds 108 bytes with the NUL
@@ -521,7 +524,11 @@ class FdGate:
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
         if self._thread.is_alive():
-            self._thread.join()
+            # Bounded: the thread may be stuck closing a descriptor a peer passed
+            # (one whose last close blocks); shutdown goes on without it.
+            self._thread.join(timeout=_JOIN_TIMEOUT_S)
+            if self._thread.is_alive():
+                logger.warning("registration socket: its thread did not stop; leaving it")
         with self._lock:
             conn_ids = list(self._conns)
         for conn_id in conn_ids:

@@ -19,10 +19,12 @@ chunk.
 Leases are held per holder (a request id) with a deadline, so a lease that its
 session never released (a crashed client) lapses on its own.
 
-Bounded eviction cost: one eviction examines at most ``MAX_EVICTION_SCAN``
-entries. Entries it passes over because they are pinned or leased move to the
-most recently used end, so with every entry leased a store fails fast (no room)
-instead of walking the whole LRU, and a later eviction starts past them.
+Bounded eviction cost: one eviction passes over at most ``MAX_EVICTION_SCAN``
+entries it cannot evict (pinned or leased); those move to the most recently used
+end, so with every entry leased a store fails fast (no room) instead of walking the
+whole LRU, and a later eviction starts past them. Evictable entries are never a
+reason to stop: when entries of different sizes fragment the pool, the walk goes on
+until a large enough run forms.
 Leased entries were just looked up, and pinned ones are being read: either way
 recently used.
 
@@ -434,9 +436,9 @@ class Pool:
         """Evict entries so that ``num_pages`` contiguous pages are free; or evict nothing.
 
         The eviction is planned before anything is evicted. Evictable entries (not
-        pinned, not leased) among the ``MAX_EVICTION_SCAN`` least recently used are
-        freed one at a time, oldest first, in a
-        copy of the page map, until a free run of ``num_pages`` pages forms: of all
+        pinned, not leased) are freed one at a time, oldest first, in a copy of the
+        page map, passing over at most ``MAX_EVICTION_SCAN`` held ones (which then
+        move to the recent end), until a free run of ``num_pages`` pages forms: of all
         windows that could be freed, those in that run have the oldest newest
         victim. Then only the entries under the window of that run that holds the
         fewest of them are evicted. If no run ever forms (e.g. a pinned or leased
@@ -447,11 +449,11 @@ class Pool:
         freed: list[Entry] = []
         held: list[tuple[bytes, int]] = []
         run: tuple[int, int] | None = None
-        for examined, (ident, entry) in enumerate(self._lru.items()):
-            if examined == MAX_EVICTION_SCAN:
-                break
+        for ident, entry in self._lru.items():
             if entry.pins or self._leased(entry.key, now):
                 held.append(ident)
+                if len(held) == MAX_EVICTION_SCAN:
+                    break
                 continue
             freed.append(entry)
             run_start, run_len = scratch.free(entry.first_page, entry.num_pages)

@@ -78,3 +78,26 @@ def test_evictable_entries_behind_many_leased_ones_are_still_reached(
     assert len(examined) <= 2 * MAX_EVICTION_SCAN
     pool.abort(stored)
     assert pool.lookup(leased, 1) == len(leased)  # every leased entry survived
+
+
+def test_entries_of_other_sizes_never_stall_eviction() -> None:
+    """Two layouts share the pool: many small entries, each between two larger ones,
+    are the least recently used. Freeing them all makes no run large enough; the walk
+    goes on to the larger ones (it used to stop after MAX_EVICTION_SCAN entries and
+    refuse every such store)."""
+    pairs = MAX_EVICTION_SCAN + 10  # 1 + 3 pages each: ~4.2 MiB of /dev/shm
+    pool = Pool.create(segment_name("pool"), pairs * 4 * PAGE, PAGE)
+    try:
+        small, large = _keys(0, pairs), _keys(pairs, 2 * pairs)
+        for s, g in zip(small, large, strict=True):
+            for key, pages in ((s, 1), (g, 3)):
+                entry = pool.begin_store(key, 0, nbytes=pages * PAGE, layout=b"L", present=1)
+                assert isinstance(entry, Entry)
+                pool.commit(entry)
+        assert pool.lookup(large, 1) == pairs  # the small ones are now the oldest
+        stored = pool.begin_store(b"new", 0, nbytes=3 * PAGE, layout=b"L", present=1)
+        assert isinstance(stored, Entry)
+        pool.commit(stored)
+        assert pool.lookup([b"new"], 1) == 1
+    finally:
+        pool.close()
