@@ -46,13 +46,21 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 CACHED_PREFIX = (PROMPT_LEN - 1) // CHUNK_SIZE * CHUNK_SIZE  # 1024
 NUM_CHUNKS = CACHED_PREFIX // CHUNK_SIZE  # 4
 HEARTBEAT_S = 0.5
+HEARTBEAT_TIMEOUT_S = 10.0
+"""A vLLM CPU engine keeps both cores of a 2-core CI machine busy, and one /health
+answered late (> the default 2 s) put the connector in degraded mode for one pass
+(a lookup answered 0: a missed hit, not an error). A killed server is still seen at
+once (connection refused); only a hung one would take this long to notice."""
 
 
 def connector_engine(server: Server) -> dict[str, Any]:
     """Engine options for a driver's ``open``: MPCacheConnector on ``server``."""
     return {
         "server_url": server.url,
-        "extra_config": {"lmcache.mp.heartbeat_interval": HEARTBEAT_S},
+        "extra_config": {
+            "lmcache.mp.heartbeat_interval": HEARTBEAT_S,
+            "mpcache.heartbeat_timeout": HEARTBEAT_TIMEOUT_S,
+        },
     }
 
 
