@@ -226,7 +226,7 @@ def main() -> None:
                 tokens, _ = store(10**6 + len(name), stored)
                 before = [kv.block(3, 1, stored[j]).copy() for j in (0, len(stored) - 1)]
                 retrieve(tokens, f"check-{name}", loaded)
-                after = [kv.block(3, 1, loaded[j]) for j in (0, len(loaded) - 1)]
+                after = [kv.block(3, 1, loaded[j]).copy() for j in (0, len(loaded) - 1)]
                 assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
             np.copyto(dst, src)
 
