@@ -250,11 +250,12 @@ def main() -> None:
                 sock.close()
         del dst, src
     finally:
+        # The shm segment first: it must go even if closing a KV cache fails.
+        if dst_segment is not None:
+            dst_segment.close()
         for owner in (kv, tiny):
             if owner is not None:
                 owner.close()
-        if dst_segment is not None:
-            dst_segment.close()
 
     print(load_line())
     print(f"server copy threads: {threads[0] if threads else 'not reported'}")
