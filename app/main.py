@@ -7,6 +7,7 @@ work on an air-gapped cluster.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -26,6 +27,7 @@ from app.logs import configure_logging, host_configured_logging
 from app.problems import install_error_handlers, problem_doc
 from app.routes import cache, control, register
 from app.settings import Settings, unknown_variables
+from app.stalls import watch_event_loop
 from app.state import Runtime, build_runtime
 from app.telemetry import MetricsEndpoint, RequestTimer
 from contract.schemas import (
@@ -151,9 +153,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         runtime = build_runtime(settings if settings is not None else _settings_from_environment())
         app.state.runtime = runtime
         _startup_summary(runtime)
+        watchdog = asyncio.create_task(
+            watch_event_loop(runtime.telemetry.event_loop_stall_seconds.inc),
+            name="mpcache-event-loop-watch",
+        )
         try:
             yield
         finally:
+            watchdog.cancel()
             _shutdown_summary(runtime)
             runtime.close()
             logger.info("mpcache stopped")

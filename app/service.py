@@ -445,7 +445,7 @@ class CacheService:
         """Register ``req``; ``token`` is needed to replace an existing registration.
 
         Its tickets are used up whatever the outcome: a refused registration leaves
-        nothing mapped."""
+        nothing mapped. A given ``token`` becomes the registration's secret."""
         redeemed = self._redeem(req)
         try:
             return self._register(req, token, redeemed)

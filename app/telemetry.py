@@ -29,6 +29,7 @@ from prometheus_client import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.stalls import SlowRequests
 from contract import __version__
 
 __all__ = ["LATENCY_BUCKETS_S", "MetricsEndpoint", "RequestTimer", "Telemetry"]
@@ -158,6 +159,12 @@ class Telemetry:
             buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
+        self.event_loop_stall_seconds = Counter(
+            "mpcache_event_loop_stall_seconds",
+            "Seconds the event loop could not run in stalls of 1 s or more (app/stalls.py).",
+            registry=r,
+        )
+        self.slow_requests = SlowRequests()
         self.asgi = make_asgi_app(r)
         self._bound: int | None = None
 
@@ -187,7 +194,8 @@ class MetricsEndpoint:
 
 
 class RequestTimer:
-    """ASGI middleware: observe each HTTP request in ``mpcache_http_request_duration_seconds``.
+    """ASGI middleware: observe each HTTP request in ``mpcache_http_request_duration_seconds``
+    (and warn of a slow one: ``app.stalls.SlowRequests``).
 
     The route label is the matched route's template (``/register/{instance_id:path}/{rank}``),
     or ``unmatched``, so a scan of random paths cannot grow the label set.
@@ -214,9 +222,10 @@ class RequestTimer:
         finally:
             runtime = getattr(scope["app"].state, "runtime", None)
             if runtime is not None:
-                route = scope.get("route")
-                runtime.telemetry.request_seconds.labels(
-                    scope["method"],
-                    getattr(route, "path", None) or "unmatched",
-                    str(status),
-                ).observe(time.perf_counter() - start)
+                route = getattr(scope.get("route"), "path", None) or "unmatched"
+                seconds = time.perf_counter() - start
+                telemetry: Telemetry = runtime.telemetry
+                telemetry.request_seconds.labels(scope["method"], route, str(status)).observe(
+                    seconds
+                )
+                telemetry.slow_requests.observe(scope["method"], route, status, seconds)

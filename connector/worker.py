@@ -11,8 +11,10 @@ Runs in each vLLM worker process. At start it negotiates with its own server
   the worker's life, so a dead worker's registration is released by the server;
 - CUDA tensors: IPC handles (``contract.cuda_ipc``, Note [mpcache CUDA IPC invariants]).
 
-The registration's secret (``registration_token``) goes with every store, retrieve,
-unregister and re-registration.
+The registration's secret (``registration_token``) is the worker's own, chosen once
+and sent with its first registration too, so a registration whose reply was lost
+(the server was slow) is refreshed by the retry rather than refused as another
+client's. It goes with every store, retrieve, unregister and re-registration.
 
 Each step makes at most one ``/cache/retrieve`` (``start_load_kv``) and one
 ``/cache/store`` (``wait_for_save``) call, batching every request of the step.
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -197,7 +200,7 @@ class WorkerAdapter:
         self.registration: RegisterRequest | None = None
         """The registration to send, with placeholder tickets (``_with_tickets``)."""
         self.registered = False
-        self.registration_token: str | None = None
+        self.registration_token = secrets.token_urlsafe(32)
         self.segments: list[MemfdKVSegment] = []
         self.channel = RegistrationChannel(config.request_timeout_s)
         self._uses_cuda = False

@@ -43,7 +43,9 @@ from pydantic_core import CoreSchema
 from contract.tokens import decode_tokens, encode_tokens
 
 __all__ = [
+    "MAX_REGISTRATION_TOKEN_CHARS",
     "MAX_WORLD_SIZE",
+    "MIN_REGISTRATION_TOKEN_CHARS",
     "NULL_BLOCK_ID",
     "REGISTRATION_TOKEN_HEADER",
     "BindingStatus",
@@ -84,6 +86,7 @@ __all__ = [
     "TensorDescriptor",
     "TokenSpan",
     "TransferItem",
+    "registration_token_problem",
 ]
 
 NULL_BLOCK_ID = 0
@@ -114,7 +117,28 @@ ByteOffset = Annotated[StrictInt, Field(ge=0, lt=2**52), _INTEGRAL]
 
 REGISTRATION_TOKEN_HEADER = "mpcache-registration-token"
 """Header carrying the secret ``POST /register`` returned: store, retrieve, DELETE and a
-replacing register of that ``(instance_id, rank)`` need it."""
+replacing register of that ``(instance_id, rank)`` need it. A first registration may
+send a secret of the client's choosing here, which the registration keeps (through
+refreshes too), so a retry after a lost reply refreshes it instead of being refused
+(``registration_token_problem``)."""
+
+MIN_REGISTRATION_TOKEN_CHARS = 32
+MAX_REGISTRATION_TOKEN_CHARS = 256
+_TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+def registration_token_problem(token: str) -> str | None:
+    """Why ``token`` cannot be a registration's secret, or None if it can: 32 to 256
+    URL-safe characters, e.g. ``secrets.token_urlsafe(32)`` (256 random bits)."""
+    if not MIN_REGISTRATION_TOKEN_CHARS <= len(token) <= MAX_REGISTRATION_TOKEN_CHARS:
+        return (
+            f"a registration token has {MIN_REGISTRATION_TOKEN_CHARS} to "
+            f"{MAX_REGISTRATION_TOKEN_CHARS} characters, not {len(token)}; generate one "
+            "with secrets.token_urlsafe(32)"
+        )
+    if not _TOKEN_CHARS.issuperset(token):
+        return "a registration token has only the characters A-Z a-z 0-9 - _"
+    return None
 
 
 class _Body(BaseModel):

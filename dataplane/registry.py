@@ -28,7 +28,13 @@ from dataclasses import dataclass, field
 import torch
 
 from contract.errors import Forbidden, InvalidRequest, NotFound, Unavailable
-from contract.schemas import REGISTRATION_TOKEN_HEADER, CudaIpcTensor, MemfdTensor, RegisterRequest
+from contract.schemas import (
+    REGISTRATION_TOKEN_HEADER,
+    CudaIpcTensor,
+    MemfdTensor,
+    RegisterRequest,
+    registration_token_problem,
+)
 from dataplane import cuda_ipc
 from dataplane.descriptors import (
     MemfdMapping,
@@ -210,9 +216,13 @@ class Registry:
         """Install ``reg``, replacing any earlier one for its key; True if replaced.
 
         Replacing needs the earlier registration's ``token`` (``Forbidden``
-        otherwise). ``alive`` says whether ``reg``'s socket connection is still open,
-        checked under the lock that ``release_connection`` takes, so a registration
-        whose worker died while it was being built is never installed.
+        otherwise). ``reg`` keeps ``token`` as its secret when one is given (a first
+        registration's is checked: ``registration_token_problem``), so a client
+        that retries a first registration or a refresh after losing the reply
+        refreshes what it registered instead of being refused. ``alive`` says
+        whether ``reg``'s socket connection is still open, checked under the lock
+        that ``release_connection`` takes, so a registration whose worker died
+        while it was being built is never installed.
         """
         key = (reg.instance_id, reg.rank)
         refusal: Exception | None = None
@@ -225,12 +235,18 @@ class Registry:
                 )
             elif old is not None and not old.holds(token):
                 refusal = _forbidden(reg.instance_id, reg.rank, "replace")
+            elif old is None and token is not None and registration_token_problem(token):
+                refusal = InvalidRequest(
+                    f"header {REGISTRATION_TOKEN_HEADER}: {registration_token_problem(token)}"
+                )
             elif reg.conn_id is not None and alive is not None and not alive(reg.conn_id):
                 refusal = InvalidRequest(
                     "the registration socket connection that passed this memory closed; "
                     "connect again and register with fresh tickets"
                 )
             else:
+                if token is not None:
+                    reg.token = token
                 self._regs[key] = reg
                 release = old is not None and self._retire(old)
         if refusal is not None:

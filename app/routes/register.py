@@ -51,13 +51,18 @@ async def registration_info(runtime: RuntimeDep) -> RegistrationInfo:
         "either way. The reply's `registration_token` is needed by every later store, "
         "retrieve and DELETE of this `(instance_id, rank)`, and to replace it (a repeat "
         f"with the token in `{REGISTRATION_TOKEN_HEADER}` replaces it: "
-        "`refreshed: true`). `chunk_size` must equal the server's final chunk size."
+        "`refreshed: true`). A first registration may send a token of its own in that "
+        "header (32-256 URL-safe characters, e.g. `secrets.token_urlsafe(32)`); the "
+        "registration keeps it, so a retry after a lost reply refreshes it. "
+        "`chunk_size` must equal the server's final chunk size."
     ),
     responses={
         **GUARDED_RESPONSES,
         403: problem_doc("Registered by another client (replace needs its token)"),
         409: problem_doc("No final chunk size yet, or a different one"),
-        422: problem_doc("Malformed request, invalid descriptor, unknown or used ticket"),
+        422: problem_doc(
+            "Malformed request or registration token, invalid descriptor, unknown or used ticket"
+        ),
     },
 )
 def register(

@@ -195,7 +195,7 @@ class FakeServer:
             if refreshed and token != self.tokens[key]:
                 return _problem(403, "registered by another client")
             self.registrations[key] = reg
-            self.tokens[key] = secrets.token_hex(8)
+            self.tokens[key] = token or secrets.token_urlsafe(32)
             return httpx.Response(
                 200,
                 json={

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import torch
 
 from connector.alignment import layout_from_groups
 from connector.config import ConnectorConfig
-from connector.metadata import StepPlan
+from connector.metadata import StepPlan, TransferOp
 from connector.scheduler import SchedulerAdapter
 from connector.worker import WorkerAdapter
+from contract.tokens import encode_tokens
 from tests.connector.fakes import (
     AttnSpec,
     CachedReqs,
@@ -22,7 +24,7 @@ from tests.connector.fakes import (
     StepOutput,
     ask,
 )
-from tests.support import server_process
+from tests.support import server_process, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -129,3 +131,82 @@ def test_degraded_never_raises(server: str) -> None:
     finally:
         worker.shutdown()
         sched.shutdown()
+
+
+def _stored_chunks(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=5.0).text.splitlines():
+        if line.startswith("mpcache_chunks_stored_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
+class _LosesFirstRegisterReply:
+    """Forwards every call to the real server, but the reply of the first
+    ``POST /register`` through it is lost (the register happened server-side)."""
+
+    def __init__(self) -> None:
+        self.lost = 0
+
+    def _lose(self, request: httpx.Request) -> bool:
+        if request.method == "POST" and request.url.path == "/register" and not self.lost:
+            self.lost += 1
+            return True
+        return False
+
+    def sync(self) -> httpx.BaseTransport:
+        outer = self
+
+        class Sync(httpx.HTTPTransport):
+            def handle_request(self, request: httpx.Request) -> httpx.Response:
+                reply = super().handle_request(request)
+                if outer._lose(request):
+                    reply.close()
+                    raise httpx.ReadTimeout("reply lost", request=request)
+                return reply
+
+        return Sync()
+
+    def asynchronous(self) -> httpx.AsyncBaseTransport:
+        outer = self
+
+        class Async(httpx.AsyncHTTPTransport):
+            async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+                reply = await super().handle_async_request(request)
+                if outer._lose(request):
+                    await reply.aclose()
+                    raise httpx.ReadTimeout("reply lost", request=request)
+                return reply
+
+        return Async()
+
+
+def test_a_registration_whose_reply_was_lost_is_retried_to_success(server: str) -> None:
+    """A slow server can register a KV cache after the worker gave up waiting: the
+    heartbeat's retry must then refresh that registration, not be refused as
+    another client's (it would stay degraded for the rest of vLLM's life)."""
+    lossy = _LosesFirstRegisterReply()
+    layout = layout_from_groups([Group(AttnSpec(BS), ["l0", "l1"])])
+    worker = WorkerAdapter(
+        _config(server, interval=0.05),
+        layout,
+        model="tiny",
+        instance_id="lost-reply",
+        namespace=NS,
+        rank=0,
+        world_size=1,
+        num_blocks=NUM_BLOCKS,
+        transport=lambda url: lossy.sync(),
+        async_transport=lambda url: lossy.asynchronous(),
+    )
+    try:
+        worker.register_kv_caches({n: torch.zeros(NUM_BLOCKS, 2, BS, 2, 8) for n in ("l0", "l1")})
+        assert lossy.lost == 1
+        assert not worker.available  # the lost reply made the worker suspect the server
+        wait_until(lambda: worker.available, timeout_s=10, what="the worker registered again")
+        # The token the worker holds is its registration's: a store with it is served.
+        before = _stored_chunks(server)
+        op = TransferOp("A", 0, 64, encode_tokens(list(range(64))), [[0, 1, 2, 3]])
+        worker.save(StepPlan(stores=(op,)))
+        assert _stored_chunks(server) == before + 1
+    finally:
+        worker.shutdown()

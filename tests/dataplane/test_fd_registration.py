@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -271,6 +272,54 @@ def test_only_the_registrant_can_use_replace_or_delete_a_registration(
     assert client.post("/cache/store", json=transfer, headers=good).status_code == 200
     assert client.delete("/register/w/0", headers=good).status_code == 204
     assert shm_mappings(kv.name) == 1  # ours only
+
+
+def test_a_token_the_client_chose_survives_a_retried_registration(
+    make_client: ClientFactory, shm_kv: KVFactory
+) -> None:
+    """Was: a registration whose reply the worker lost (a slow server) got a token
+    the worker never saw, and its retry was refused as another client's for good."""
+    client = make_client()
+    client.auto_token = False
+    kv = shm_kv([vllm_layer("l0", 0, 8)])
+    mine = {REGISTRATION_TOKEN_HEADER: secrets.token_urlsafe(32)}
+    first = client.post(
+        "/register", json=register_body(kv, "w", GROUPS, chunk_size=CHUNK), headers=mine
+    )
+    assert first.status_code == 200, first.text
+    assert first.json()["registration_token"] == mine[REGISTRATION_TOKEN_HEADER]
+    # The retry (same token, fresh tickets) refreshes it and keeps the token.
+    again = client.post(
+        "/register", json=register_body(kv, "w", GROUPS, chunk_size=CHUNK), headers=mine
+    )
+    assert again.status_code == 200, again.text
+    assert again.json()["refreshed"] is True
+    assert again.json()["registration_token"] == mine[REGISTRATION_TOKEN_HEADER]
+    item = transfer_item("s", random_tokens(CHUNK, seed=3), [[1, 2, 3, 4]])
+    transfer = {"instance_id": "w", "rank": 0, "requests": [item]}
+    stored = client.post("/cache/store", json=transfer, headers=mine)
+    assert stored.json()["results"][0]["stored_chunks"] == 1
+    # Anyone else's token, however well formed, is still refused.
+    theirs = {REGISTRATION_TOKEN_HEADER: secrets.token_urlsafe(32)}
+    other = shm_kv([vllm_layer("l0", 0, 8)])
+    replace = register_body(other, "w", GROUPS, chunk_size=CHUNK)
+    _problem(client.post("/register", json=replace, headers=theirs), 403)
+    assert shm_mappings(other.name) == 1  # ours only
+
+
+@pytest.mark.parametrize("token", ["short", "x" * 31, "x" * 257, "a" * 31 + "!", "a" * 32 + " b"])
+def test_a_registration_token_too_weak_or_odd_is_refused_naming_the_header(
+    make_client: ClientFactory, shm_kv: KVFactory, token: str
+) -> None:
+    client = make_client()
+    kv = shm_kv([vllm_layer("l0", 0, 8)])
+    body = register_body(kv, "w", GROUPS, chunk_size=CHUNK)
+    problem = _problem(
+        client.post("/register", json=body, headers={REGISTRATION_TOKEN_HEADER: token}), 422
+    )
+    assert REGISTRATION_TOKEN_HEADER in problem["detail"]
+    assert client.get("/health").json()["registrations"] == 0
+    assert shm_mappings(kv.name) == 1  # ours only: the server mapped nothing
 
 
 # ----------------------------------------------------------- descriptors and fds

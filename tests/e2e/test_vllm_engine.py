@@ -97,6 +97,14 @@ class Counters:
         return self.store_bytes / self.stored if self.stored else 0.0
 
 
+def went_degraded(driver: EngineDriver) -> bool:
+    """Whether the driver's connector said it went degraded (a /health answered
+    late on a busy machine, say): then a pass that missed the cache is expected
+    (lookups answer 0, stores are skipped), not a failure; the server's log says
+    why it was slow (``app/stalls.py``)."""
+    return "degraded mode" in driver.log_path.read_text(errors="replace")
+
+
 @contextlib.contextmanager
 def explained(drivers: list[EngineDriver], observed: object) -> Iterator[None]:
     """A failed assertion carries what was observed and every driver's and server's log."""
@@ -118,6 +126,7 @@ class LlamaStory:
     counters_after_restart: Counters | None = None
     worker_after_restart: dict[str, Any] = field(default_factory=dict)
     scheduler_after_restart: dict[str, Any] = field(default_factory=dict)
+    degraded_before_restart: dict[str, bool] = field(default_factory=dict)
     drivers: list[EngineDriver] = field(default_factory=list)
 
     def cached(self) -> dict[str, object]:
@@ -141,14 +150,20 @@ def llama_story(engine_drivers: EngineDrivers, baselines: Baselines) -> LlamaSto
         story.drivers.append(fresh)
         fresh.extra_logs.append(server.log)
         story.passes["pass 1"] = first.call("generate", "pass 1")
-        story.passes["pass 2"] = first.call("generate", "pass 2")
+        story.passes["pass 2"] = first.call(
+            "generate_until_hit", "pass 2", deadline_s=60, max_tries=4
+        )
         first.finish()
         # A fresh engine in another driver process (new scheduler, worker and
         # connector instance id): only the server can know the prompt.
         fresh.call("open", "engine 2", engine=connector_engine(server))
         engine_drivers.start("hybrid")  # ahead of the hybrid test
-        story.passes["fresh engine"] = fresh.call("generate", "fresh engine")
+        story.passes["fresh engine"] = fresh.call(
+            "generate_until_hit", "fresh engine", deadline_s=60, max_tries=4
+        )
         story.counters_before_restart = Counters.of(server.url)
+        # Before the kill below makes every connector of this server degraded.
+        story.degraded_before_restart = {d.name: went_degraded(d) for d in story.drivers}
 
         server.proc.send_signal(signal.SIGKILL)
         server.proc.wait(timeout=30)
@@ -174,13 +189,22 @@ def test_second_pass_and_fresh_engine_load_the_prefix_from_the_server(
 ) -> None:
     baseline = baselines.tokens("llama")
     passes = llama_story.passes
-    observed = {"cached": llama_story.cached(), "metrics": llama_story.counters_before_restart}
+    observed = {
+        "cached": llama_story.cached(),
+        "metrics": llama_story.counters_before_restart,
+        "degraded": llama_story.degraded_before_restart,
+    }
+    degraded = llama_story.degraded_before_restart
     with explained(llama_story.drivers, observed):
         assert passes["pass 1"]["num_cached_tokens"] == 0
+        # Each hits at its first try unless its connector was degraded for a while.
+        assert passes["pass 2"]["tries"][:1] == [CACHED_PREFIX] or degraded["llama-engine-1"]
+        assert passes["fresh engine"]["tries"][:1] == [CACHED_PREFIX] or degraded["llama-engine-2"]
         assert passes["pass 2"]["num_cached_tokens"] == CACHED_PREFIX
         assert passes["fresh engine"]["num_cached_tokens"] == CACHED_PREFIX
-        for label in ("pass 1", "pass 2", "fresh engine"):
-            assert passes[label]["token_ids"] == baseline, f"{label}: other tokens"
+        assert passes["pass 1"]["token_ids"] == baseline
+        for label in ("pass 2", "fresh engine"):
+            assert passes[label]["distinct_token_ids"] == [baseline], f"{label}: other tokens"
         # Pass 1 stored the prefix; pass 2 and the fresh engine each found all of it
         # and loaded it (vLLM counts a load that failed and was recomputed as
         # cached too: the server's copied bytes tell them apart).
@@ -226,7 +250,8 @@ def test_hybrid_model_caches_both_kv_cache_groups(
         driver.extra_logs.append(server.log)
         driver.call("open", "engine", engine=connector_engine(server))
         first = driver.call("generate", "pass 1")
-        second = driver.call("generate", "pass 2")
+        # A pass may miss only while the connector was degraded (see went_degraded).
+        second = driver.call("generate_until_hit", "pass 2", deadline_s=60, max_tries=4)
         inspected = driver.call("inspect")
         (worker,) = inspected["workers"]
         scheduler = inspected["scheduler"]
@@ -239,9 +264,10 @@ def test_hybrid_model_caches_both_kv_cache_groups(
         "scheduler": scheduler,
         "server": chunk_info,
         "metrics": served,
-        "cached": [first["num_cached_tokens"], second["num_cached_tokens"]],
+        "cached": [first["num_cached_tokens"], second["tries"]],
     }
     with explained([driver], observed):
+        assert second["tries"][:1] == [CACHED_PREFIX] or went_degraded(driver)
         specs = sorted(g["spec"] for g in worker["vllm_groups"])
         assert specs == ["FullAttentionSpec", "SlidingWindowSpec"]
         groups = worker["connector_groups"]
@@ -260,7 +286,7 @@ def test_hybrid_model_caches_both_kv_cache_groups(
         assert first["num_cached_tokens"] == 0
         assert second["num_cached_tokens"] == CACHED_PREFIX
         assert first["token_ids"] == baseline
-        assert second["token_ids"] == baseline
+        assert second["distinct_token_ids"] == [baseline]
         assert served.stored >= NUM_CHUNKS
         assert served.hit >= NUM_CHUNKS
         # Pass 2 loaded from the server: every full-attention block of the prefix,
@@ -285,21 +311,27 @@ def test_two_nodes_engine_on_b_loads_what_engine_on_a_stored(
             node_b.extra_logs.append(b.log)
             node_a.call("open", "engine on A", engine=connector_engine(a))
             stored = node_a.call("generate", "on A")
+            stored_on_a = "mpcache_chunks_stored_total"
+            if metrics(a.url).get(stored_on_a, 0.0) < NUM_CHUNKS and went_degraded(node_a):
+                node_a.call("generate", "on A, again")  # the first pass skipped its stores
             node_a.close()
+            assert metrics(a.url).get(stored_on_a, 0.0) >= NUM_CHUNKS, node_a.logs()
             written = 'mpcache_l2_writes_total{outcome="written"}'
             wait_until(
                 lambda: metrics(a.url).get(written, 0.0) >= NUM_CHUNKS,
                 what="A writing the prefix behind to L2",
             )
             node_b.call("open", "engine on B", engine=connector_engine(b))
-            served = node_b.call("generate", "on B")
+            served = node_b.call("generate_until_hit", "on B", deadline_s=60, max_tries=4)
             samples = metrics(b.url)
             node_b.close()
     baseline = baselines.tokens("llama")
-    observed = {"cached": [stored["num_cached_tokens"], served["num_cached_tokens"]]}
+    observed = {"cached": [stored["num_cached_tokens"], served["tries"]]}
     with explained([node_a, node_b], {**observed, "metrics B": samples}):
+        assert served["tries"][:1] == [CACHED_PREFIX] or went_degraded(node_b)
         assert stored["num_cached_tokens"] == 0
         assert served["num_cached_tokens"] == CACHED_PREFIX
-        assert stored["token_ids"] == served["token_ids"] == baseline
+        assert stored["token_ids"] == baseline
+        assert served["distinct_token_ids"] == [baseline]
         assert samples.get("mpcache_chunks_l2_hit_total") == NUM_CHUNKS
         assert samples.get('mpcache_l2_reads_total{outcome="hit"}') == NUM_CHUNKS
