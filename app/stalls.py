@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 __all__ = ["REPEAT_S", "SLOW_REQUEST_S", "STALL_S", "TICK_S", "SlowRequests", "watch_event_loop"]
 
-logger = logging.getLogger("mpcache.server")
+logger = logging.getLogger(__name__)
 
 TICK_S = 0.25
 STALL_S = 1.0

@@ -63,7 +63,11 @@ class Heartbeat:
         self.links = tuple(links)
         self._api_token = api_token
         self.interval_s = interval_s
-        self.timeout_s = min(timeout_s, interval_s) if interval_s > 0 else timeout_s
+        self.timeout_s = timeout_s
+        """Bound of each ping and recovery call: the configured timeout even when it
+        is longer than the interval (a round ends before the next one starts). Cut
+        to the interval, a busy server's slower answers read as failures, and a
+        registration the server made after the cut was retried as a new one."""
         self._recover = recover
         self._name = name
         self._transport_factory = transport_factory

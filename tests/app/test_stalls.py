@@ -26,7 +26,7 @@ def test_a_blocked_event_loop_is_logged_and_counted(
     event loop could not run (here: a call that blocks it, as a GIL-holding thread
     or a starved process would)."""
     assert _stalled_seconds(client) == 0.0
-    caplog.set_level(logging.WARNING, logger="mpcache.server")
+    caplog.set_level(logging.WARNING, logger="app.stalls")
     assert client.portal is not None
     client.portal.call(time.sleep, STALL_S + 0.5)  # runs on the app's event loop
     wait_until(lambda: _stalled_seconds(client) > 0, what="the stall counted")
@@ -48,10 +48,10 @@ def test_slow_requests_are_warned_once_per_route_per_minute(
 ) -> None:
     clock = _Clock()
     slow = SlowRequests(threshold_s=2.0, repeat_s=60.0, clock=clock)
-    caplog.set_level(logging.WARNING, logger="mpcache.server")
+    caplog.set_level(logging.WARNING, logger="app.stalls")
 
     def warnings() -> list[str]:
-        return [r.getMessage() for r in caplog.records if r.name == "mpcache.server"]
+        return [r.getMessage() for r in caplog.records if r.name == "app.stalls"]
 
     slow.observe("GET", "/health", 200, 1.9)
     assert warnings() == []

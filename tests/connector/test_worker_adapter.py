@@ -377,6 +377,27 @@ def test_restart_reregisters(workers: list[WorkerAdapter]) -> None:
     assert worker.available
 
 
+def test_heartbeat_calls_wait_the_configured_timeout_not_the_interval(
+    workers: list[WorkerAdapter],
+) -> None:
+    """Was: pings were cut to the interval (0.03 s here, 0.5 s in the e2e engine,
+    whose 10 s timeout never applied): a loaded server answering /health in 0.6 s
+    put vLLM in degraded mode, and a registration reply cut short locked the worker
+    out (its retry was refused as another client's)."""
+    server = FakeServer(min_chunk_size=64)
+    worker = make(workers, server, heartbeat=True)
+    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    assert worker.config.heartbeat_interval_s < worker.config.heartbeat_timeout_s
+    calls_before = len(server.client_timeouts)
+    server.restart()
+    wait_until(lambda: worker.link.healthy and worker.link.boot_id == server.boot_id)
+    # Every ping, and the recovery's negotiate and register, waited the timeout.
+    heartbeat_calls = server.client_timeouts[calls_before:]
+    paths = {path for path, _ in heartbeat_calls}
+    assert {"/health", "/negotiate", "/register"} <= paths
+    assert {t["read"] for _, t in heartbeat_calls} == {worker.config.heartbeat_timeout_s}
+
+
 def test_restart_with_other_size_keeps_worker_degraded(workers: list[WorkerAdapter]) -> None:
     server = FakeServer(min_chunk_size=64)
     worker = make(workers, server, heartbeat=True)

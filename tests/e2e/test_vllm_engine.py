@@ -47,10 +47,11 @@ CACHED_PREFIX = (PROMPT_LEN - 1) // CHUNK_SIZE * CHUNK_SIZE  # 1024
 NUM_CHUNKS = CACHED_PREFIX // CHUNK_SIZE  # 4
 HEARTBEAT_S = 0.5
 HEARTBEAT_TIMEOUT_S = 10.0
-"""A vLLM CPU engine keeps both cores of a 2-core CI machine busy, and one /health
-answered late (> the default 2 s) put the connector in degraded mode for one pass
-(a lookup answered 0: a missed hit, not an error). A killed server is still seen at
-once (connection refused); only a hung one would take this long to notice."""
+"""A vLLM CPU engine keeps both cores of a 2-core CI machine busy, and a /health or
+register answered late (once: > the default 2 s; until it was fixed the heartbeat
+cut every call to the 0.5 s interval) put the connector in degraded mode (lookups
+answer 0: a missed hit, not an error). A killed server is still seen at once
+(connection refused); only a hung one would take this long to notice."""
 
 
 def connector_engine(server: Server) -> dict[str, Any]:
@@ -322,16 +323,14 @@ def test_two_nodes_engine_on_b_loads_what_engine_on_a_stored(
                 what="A writing the prefix behind to L2",
             )
             node_b.call("open", "engine on B", engine=connector_engine(b))
-            served = node_b.call("generate_until_hit", "on B", deadline_s=60, max_tries=4)
+            served = node_b.call("generate", "on B")
             samples = metrics(b.url)
             node_b.close()
     baseline = baselines.tokens("llama")
-    observed = {"cached": [stored["num_cached_tokens"], served["tries"]]}
+    observed = {"cached": [stored["num_cached_tokens"], served["num_cached_tokens"]]}
     with explained([node_a, node_b], {**observed, "metrics B": samples}):
-        assert served["tries"][:1] == [CACHED_PREFIX] or went_degraded(node_b)
         assert stored["num_cached_tokens"] == 0
         assert served["num_cached_tokens"] == CACHED_PREFIX
-        assert stored["token_ids"] == baseline
-        assert served["distinct_token_ids"] == [baseline]
+        assert stored["token_ids"] == served["token_ids"] == baseline
         assert samples.get("mpcache_chunks_l2_hit_total") == NUM_CHUNKS
         assert samples.get('mpcache_l2_reads_total{outcome="hit"}') == NUM_CHUNKS
