@@ -28,6 +28,16 @@ COPY app ./app
 COPY connector ./connector
 RUN pip install --no-deps . && rm -rf build
 
+# 3. The streaming block kernel (dataplane/blockcopy.py), built now with a compiler
+#    that does not stay in the image; the server loads it from XDG_CACHE_HOME.
+ENV XDG_CACHE_HOME=/opt/mpcache/cache
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && python -c "from dataplane import blockcopy; print(blockcopy.load().path)" \
+ && chmod -R a+rX /opt/mpcache \
+ && apt-get purge -y --auto-remove gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+
 # Any uid works: the server must run as the uid of the vLLM processes whose shm
 # segments (mode 0600) it maps, so pass `--user` (Kubernetes: runAsUser). The default
 # is an unprivileged one. /tmp holds the address file.

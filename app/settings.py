@@ -166,6 +166,11 @@ class Settings(BaseSettings):
         description="Threads one chunk's copy may use; 0: measured at start (the fastest "
         "of 1, 2, 4, 8 up to the core count).",
     )
+    block_kernel: bool = Field(
+        True,
+        description="Move scattered blocks with the streaming C kernel (built with the "
+        "system C compiler on first start; numpy when there is none).",
+    )
     max_body_size: ByteSize = Field(
         "32MiB",
         validate_default=True,

@@ -35,6 +35,7 @@ from app.telemetry import Telemetry
 from contract import __version__
 from contract.schemas import ClusterHealth, ClusterMember, ClusterResponse
 from contract.shm_naming import segment_name
+from dataplane import blockcopy
 from dataplane.fdgate import FdGate, default_socket_path
 from dataplane.pool import Pool
 from dataplane.registry import Registry
@@ -48,9 +49,6 @@ logger = logging.getLogger(__name__)
 
 class StartupRefused(RuntimeError):
     """The server cannot start as configured (the message names the setting)."""
-
-
-logger = logging.getLogger(__name__)
 
 
 BINDING_ORDER = ("token_hasher", "session_manager", "blend_matcher", "telemetry", "coordinator")
@@ -76,6 +74,8 @@ class Runtime:
     parser: BodyParser = field(default_factory=BodyParser)
     l2: L2Tier | None = None
     copy_rates: dict[int, float] = field(default_factory=dict)
+    block_kernel: str = "off"
+    """How scattered blocks move, for the startup log (``_block_kernel``)."""
     """GB/s per thread count measured at start (empty when --copy-threads was given)."""
     closed: bool = field(default=False)
 
@@ -147,6 +147,18 @@ class Runtime:
             self.copier.close()
             self.pool.close()
             self.coordinator.leave()
+
+
+def _block_kernel(wanted: bool) -> tuple[blockcopy.BlockCopier | None, str]:
+    """The streaming block kernel (``dataplane.blockcopy``) and a note for the log."""
+    if not wanted:
+        return None, "scattered blocks by numpy (--no-block-kernel)"
+    try:
+        kernel = blockcopy.load()
+    except blockcopy.KernelUnavailable as exc:
+        logger.warning("scattered blocks move with numpy, slower: %s", exc)
+        return None, f"scattered blocks by numpy ({exc})"
+    return kernel, f"scattered blocks by the streaming kernel ({kernel.path})"
 
 
 def build_runtime(settings: Settings) -> Runtime:
@@ -313,7 +325,8 @@ def _assemble(
     if threads <= 0:
         threads, copy_rates = measure_copy_threads()
     configure_copy_threads(threads)
-    copier = CopyPool(threads)
+    kernel, kernel_note = _block_kernel(settings.block_kernel)
+    copier = CopyPool(threads, kernel)
     registry = Registry()
     socket_path = settings.register_socket or default_socket_path(settings.port)
     gate = FdGate(
@@ -356,6 +369,7 @@ def _assemble(
             gate=gate,
             l2=l2,
             copy_rates=copy_rates,
+            block_kernel=kernel_note,
         )
     except BaseException:
         gate.close()

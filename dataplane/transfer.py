@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dataplane.blockcopy import BlockCopier
 from dataplane.descriptors import TensorGeometry
 from dataplane.layout import Region
 
@@ -270,17 +271,21 @@ def _at(dim: int, start: int, n: int) -> tuple[slice, ...]:
 
 
 class CopyPool:
-    """Threads that share one chunk's copies (its tensors split into lanes).
+    """Threads that share one chunk's copies (its tensors split into lanes), and the
+    streaming block kernel they use for scattered blocks when there is one
+    (``dataplane.blockcopy``; numpy otherwise).
 
     ``threads`` counts the calling thread, which always takes a lane, so a copy
-    progresses even when another request holds every helper. numpy releases the GIL
-    while it moves bytes, so lanes copy in parallel. ``run`` returns only once every
-    lane has stopped, so a chunk that fails is never written to after its caller
-    aborts it. Owned by the server's runtime (``close`` at shutdown).
+    progresses even when another request holds every helper. numpy and the kernel
+    release the GIL while they move bytes, so lanes copy in parallel. ``run``
+    returns only once every lane has stopped, so a chunk that fails is never written
+    to after its caller aborts it. Owned by the server's runtime (``close`` at
+    shutdown).
     """
 
-    def __init__(self, threads: int = 1) -> None:
+    def __init__(self, threads: int = 1, kernel: BlockCopier | None = None) -> None:
         self.threads = max(1, threads)
+        self.kernel = kernel
         self._helpers = (
             ThreadPoolExecutor(self.threads - 1, thread_name_prefix="mpcache-copy")
             if self.threads > 1
@@ -320,13 +325,38 @@ def _run_lane(jobs: Sequence[Callable[[], int]]) -> int:
 _SERIAL = CopyPool(1)
 
 
-def _gather_cpu(plan: TensorPlan, ids: np.ndarray, runs: list[Run] | None, dst: np.ndarray) -> int:
+def _streamable(plan: TensorPlan) -> bool:
+    """Whether ``plan``'s blocks are contiguous rows of a ``[outer, blocks, words]``
+    array (every word view is), so the block kernel can move them."""
+    a = plan.array
+    return a is not None and plan.dim == 1 and a.ndim == 3 and a.strides[2] == a.itemsize
+
+
+def _block_addresses(array: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """Start address of block ``blocks[i]`` in each outer row of a
+    ``[outer, blocks, words]`` array, outer row by outer row."""
+    outer = np.arange(array.shape[0], dtype=np.int64)[:, None] * array.strides[0]
+    addresses: np.ndarray = array.ctypes.data + outer + blocks[None, :] * array.strides[1]
+    return addresses.ravel()
+
+
+def _gather_cpu(
+    plan: TensorPlan,
+    ids: np.ndarray,
+    runs: list[Run] | None,
+    dst: np.ndarray,
+    kernel: BlockCopier | None = None,
+) -> int:
     src = plan.array
     assert src is not None
     d = plan.dim
     if runs is not None:
         for slot, block, n in runs:
             dst[_at(d, slot, n)] = src[_at(d, block, n)]
+    elif kernel is not None and _streamable(plan):
+        slots = np.arange(len(ids), dtype=np.int64)
+        block_bytes = src.shape[2] * src.itemsize
+        kernel.copy(_block_addresses(src, ids), _block_addresses(dst, slots), block_bytes)
     else:
         # Unbuffered only with mode="clip" (ids are validated): "raise" copies via a
         # temporary. Straight into the (contiguous) region measured faster than
@@ -362,7 +392,7 @@ def gather_chunk(
                 entry_array = entry_bytes.numpy()
             dst_array = plan.region_array(entry_array)
             ids64 = np.ascontiguousarray(group_ids[g], dtype=np.int64)
-            jobs.append(partial(_gather_cpu, plan, ids64, group_runs, dst_array))
+            jobs.append(partial(_gather_cpu, plan, ids64, group_runs, dst_array, pool.kernel))
             continue
         entry_typed = typed.get(plan.view.dtype)
         if entry_typed is None:
@@ -387,6 +417,7 @@ def _scatter_cpu(
     positions: np.ndarray | None,
     runs: list[Run] | None,
     src: np.ndarray,
+    kernel: BlockCopier | None = None,
 ) -> int:
     dst = plan.array
     assert dst is not None
@@ -394,6 +425,10 @@ def _scatter_cpu(
     if runs is not None:
         for slot, block, n in runs:
             dst[_at(d, block, n)] = src[_at(d, slot, n)]
+    elif kernel is not None and _streamable(plan):
+        slots = np.arange(len(idx), dtype=np.int64) if positions is None else positions
+        block_bytes = dst.shape[2] * dst.itemsize
+        kernel.copy(_block_addresses(src, slots), _block_addresses(dst, idx), block_bytes)
     else:
         if positions is not None:
             src = np.take(src, positions, axis=d)
@@ -435,7 +470,9 @@ def scatter_chunk(
             if entry_array is None:
                 entry_array = entry_bytes.numpy()
             src_array = plan.region_array(entry_array)
-            jobs.append(partial(_scatter_cpu, plan, idx, positions, group_runs, src_array))
+            jobs.append(
+                partial(_scatter_cpu, plan, idx, positions, group_runs, src_array, pool.kernel)
+            )
             continue
         cuda_devices.add(plan.view.device)
         entry_typed = typed.get(plan.view.dtype)

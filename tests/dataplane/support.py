@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import unquote
 
 import numpy as np
+import pytest
 import torch
 from fastapi.testclient import TestClient
 
@@ -31,6 +32,8 @@ from contract.fdpass import (
 )
 from contract.schemas import REGISTRATION_TOKEN_HEADER
 from contract.shm_naming import SHM_DIR
+from dataplane import blockcopy
+from dataplane.blockcopy import BlockCopier
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "test-model|layout-v1|ws1"
@@ -426,3 +429,14 @@ def register_over(http: Any, body: dict[str, Any]) -> tuple[str, WorkerSocket]:
         worker.close()
         raise
     return str(reply.json()["registration_token"]), worker
+
+
+def streaming_kernel() -> BlockCopier:
+    """The streaming block kernel; skips without a C compiler (fails under CI,
+    whose machines have one: a kernel that stopped building must not go unseen)."""
+    try:
+        return blockcopy.load()
+    except blockcopy.KernelUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"the streaming block kernel is unavailable: {exc}", pytrace=False)
+        pytest.skip(f"the streaming block kernel is unavailable: {exc}")

@@ -12,6 +12,7 @@ from contract.schemas import MemfdTensor
 from dataplane.descriptors import tensor_geometry
 from dataplane.layout import BlockTensorSpec, ChunkLayout, GroupSpec, chunk_layout
 from dataplane.transfer import TensorPlan, block_runs, gather_chunk, make_plan, scatter_chunk
+from tests.dataplane.support import streaming_kernel
 
 
 def _plan_for(
@@ -132,15 +133,19 @@ def test_copy_pool_lanes_all_finish_before_an_error_is_raised() -> None:
         pool.close()
 
 
+@pytest.mark.parametrize("kernel", ["numpy", "streaming"])
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize(
     "dtype",
     [torch.bfloat16, torch.float32, torch.float16, torch.int8, torch.float64],
     ids=str,
 )
-def test_every_path_and_lane_count_moves_the_same_bytes(threads: int, dtype: torch.dtype) -> None:
-    """Runs, scattered blocks, null blocks, several tensors split across lanes:
-    the entry and the retrieved blocks hold exactly the source bytes."""
+def test_every_path_and_lane_count_moves_the_same_bytes(
+    threads: int, dtype: torch.dtype, kernel: str
+) -> None:
+    """Runs, scattered blocks, null blocks, several tensors split across lanes, with
+    numpy or the streaming block kernel: the entry and the retrieved blocks hold
+    exactly the source bytes."""
     from dataplane.transfer import CopyPool
 
     gen = torch.Generator().manual_seed(threads)
@@ -151,7 +156,7 @@ def test_every_path_and_lane_count_moves_the_same_bytes(threads: int, dtype: tor
     dst_plans = [_plan_for(t, 1)[0] for t in dsts]
     layout = _plan_for(srcs[0], 1)[1]
     # Regions of one layer each: give each plan its own entry.
-    pool = CopyPool(threads)
+    pool = CopyPool(threads, streaming_kernel() if kernel == "streaming" else None)
     try:
         for store_ids, load_ids in ID_PAIRS:
             for d in dsts:
