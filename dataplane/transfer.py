@@ -13,10 +13,12 @@ Kernels, chosen by measurement (bench/dataplane_bench.py; figures in
 - CPU tensors move with numpy, whose contiguous copies are one ``memmove`` each,
   so a long one streams past the cache (``dataplane.streaming``): block ids that
   form runs (consecutive ids in consecutive slots, as vLLM hands out fresh blocks)
-  move with one slice assignment per run; scattered ids are gathered on store with
-  one unbuffered ``np.take`` straight into the entry region, and scattered on
-  retrieve with one fancy-index assignment (a cached staging buffer streamed out
-  afterwards measured slower through the server, 0.45-0.64x against 0.78x). torch's
+  move with one slice assignment per run; scattered ids move with the streaming
+  block kernel (``dataplane.blockcopy``: non-temporal stores, one C call per tensor
+  and chunk) when the ``CopyPool`` has one, else are gathered on store with one
+  unbuffered ``np.take`` straight into the entry region and scattered on retrieve
+  with one fancy-index assignment (a cached staging buffer streamed out afterwards
+  measured slower through the server, 0.45-0.64x against 0.78x). torch's
   strided ``copy_``, ``index_select`` and ``index_copy_`` use their own loops, which
   never stream: the old kernels ran at 0.5-0.7x a large numpy copy.
 - CUDA tensors use torch: ``index_select`` gathers on the device, then one copy per
