@@ -229,16 +229,15 @@ class Registry:
         release = False
         with self._lock:
             old = self._regs.get(key)
+            weak = None if old is not None or token is None else registration_token_problem(token)
             if self._closed:
                 refusal = Unavailable(
                     "the server is shutting down; register again after it restarts"
                 )
             elif old is not None and not old.holds(token):
                 refusal = _forbidden(reg.instance_id, reg.rank, "replace")
-            elif old is None and token is not None and registration_token_problem(token):
-                refusal = InvalidRequest(
-                    f"header {REGISTRATION_TOKEN_HEADER}: {registration_token_problem(token)}"
-                )
+            elif weak is not None:
+                refusal = InvalidRequest(f"header {REGISTRATION_TOKEN_HEADER}: {weak}")
             elif reg.conn_id is not None and alive is not None and not alive(reg.conn_id):
                 refusal = InvalidRequest(
                     "the registration socket connection that passed this memory closed; "
