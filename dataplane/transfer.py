@@ -336,7 +336,13 @@ def _streamable(plan: TensorPlan) -> bool:
 
 def _block_addresses(array: np.ndarray, blocks: np.ndarray) -> np.ndarray:
     """Start address of block ``blocks[i]`` in each outer row of a
-    ``[outer, blocks, words]`` array, outer row by outer row."""
+    ``[outer, blocks, words]`` array, outer row by outer row.
+
+    The kernel writes where these point, so every block is checked to lie inside
+    ``array`` here (numpy's own indexing would have refused it), whatever the
+    callers validated before."""
+    if blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= array.shape[1]):
+        raise IndexError(f"block ids outside [0, {array.shape[1]})")
     outer = np.arange(array.shape[0], dtype=np.int64)[:, None] * array.strides[0]
     addresses: np.ndarray = array.ctypes.data + outer + blocks[None, :] * array.strides[1]
     return addresses.ravel()
@@ -356,6 +362,8 @@ def _gather_cpu(
         for slot, block, n in runs:
             dst[_at(d, slot, n)] = src[_at(d, block, n)]
     elif kernel is not None and _streamable(plan):
+        if len(ids) != dst.shape[1]:
+            raise ValueError(f"{len(ids)} block ids for a region of {dst.shape[1]} blocks")
         slots = np.arange(len(ids), dtype=np.int64)
         block_bytes = src.shape[2] * src.itemsize
         kernel.copy(_block_addresses(src, ids), _block_addresses(dst, slots), block_bytes)

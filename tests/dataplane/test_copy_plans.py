@@ -175,3 +175,23 @@ def test_every_path_and_lane_count_moves_the_same_bytes(
                 assert not dst[:, 0].view(torch.uint8).any()  # null block never written
     finally:
         pool.close()
+
+
+def test_the_block_kernel_never_writes_outside_the_tensors() -> None:
+    """Block ids are validated before any copy; should one slip through, the kernel
+    path refuses it as numpy's indexing would, instead of writing past a tensor."""
+    from dataplane.transfer import CopyPool
+
+    src = torch.randn(2, 12, 16, 2, 8).bfloat16()
+    dst = torch.zeros_like(src)
+    plan, layout = _plan_for(src, 1)
+    dst_plan, _ = _plan_for(dst, 1)
+    entry = torch.zeros(layout.chunk_bytes, dtype=torch.uint8)
+    pool = CopyPool(1, streaming_kernel())
+    with pytest.raises(IndexError, match="outside"):
+        gather_chunk([plan], [np.array([3, 12, 7, 5])], entry, pool)
+    with pytest.raises(ValueError, match="5 block ids for a region of 4"):
+        gather_chunk([plan], [np.array([3, 1, 7, 5, 2])], entry, pool)
+    with pytest.raises(IndexError, match="outside"):
+        scatter_chunk([dst_plan], [np.array([9, 2, 13, 4])], entry, pool)
+    assert not dst.view(torch.uint8).any()
