@@ -74,9 +74,9 @@ class Runtime:
     parser: BodyParser = field(default_factory=BodyParser)
     l2: L2Tier | None = None
     copy_rates: dict[int, float] = field(default_factory=dict)
+    """GB/s per thread count measured at start (empty when --copy-threads was given)."""
     block_kernel: str = "off"
     """How scattered blocks move, for the startup log (``_block_kernel``)."""
-    """GB/s per thread count measured at start (empty when --copy-threads was given)."""
     closed: bool = field(default=False)
 
     @property
