@@ -43,6 +43,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.problems import problem_response
 from contract.errors import PayloadTooLarge, Unavailable, UnsupportedMediaType
 from contract.schemas import TokenSpan, TransferItem
+from dataplane import libc
 
 __all__ = ["INLINE_BODY_BYTES", "BodyLimit", "BodyParser", "json_body_doc", "read_json"]
 
@@ -118,12 +119,10 @@ class BodyLimit:
 
 def _die_with_parent() -> None:
     """Helper-process initializer: exit when the server dies, even by SIGKILL."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
+    prctl = libc.function("prctl", ctypes.c_int, ctypes.c_int, ctypes.c_ulong)
+    if prctl is not None:  # else not Linux: the pool's pipes still close
         pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the pool's pipes still close
-        pass
+        prctl(pr_set_pdeathsig, signal.SIGKILL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server handles Ctrl-C
 
 

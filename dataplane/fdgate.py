@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
+import functools
 import logging
 import mmap
 import os
@@ -40,6 +40,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from contract.errors import InvalidDescriptor, InvalidRequest
 from contract.fdpass import (
@@ -50,6 +51,7 @@ from contract.fdpass import (
     encode_reply,
     seals_of,
 )
+from dataplane import libc
 
 __all__ = [
     "FdGate",
@@ -117,30 +119,23 @@ class SealedMemory:
         self._buffer = None
 
 
-class _Libc:
-    """libc's mmap/munmap/fstatfs, loaded once, on first use."""
-
-    _lib: ctypes.CDLL | None = None
-
-    @classmethod
-    def get(cls) -> ctypes.CDLL:
-        if cls._lib is None:
-            lib = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-            lib.mmap.restype = ctypes.c_void_p
-            lib.mmap.argtypes = [
-                ctypes.c_void_p,
-                ctypes.c_size_t,
-                ctypes.c_int,
-                ctypes.c_int,
-                ctypes.c_int,
-                ctypes.c_long,
-            ]
-            lib.munmap.restype = ctypes.c_int
-            lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-            lib.fstatfs.restype = ctypes.c_int
-            lib.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
-            cls._lib = lib
-        return cls._lib
+@functools.cache
+def _mmap_calls() -> tuple[Any, Any]:
+    """libc's mmap and munmap (ctypes), loaded on first use."""
+    mmap_ = libc.function(
+        "mmap",
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    )
+    munmap = libc.function("munmap", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
+    if mmap_ is None or munmap is None:
+        raise OSError("no C library with mmap/munmap found")
+    return mmap_, munmap
 
 
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -148,22 +143,23 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 def _map_shared(fd: int, size: int) -> ctypes.Array[ctypes.c_char]:
     """Map ``fd`` read-write, shared; the returned buffer unmaps when it is freed."""
-    libc = _Libc.get()
-    addr = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    map_, unmap = _mmap_calls()
+    addr = map_(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     # A subclass: plain ctypes arrays take no weak references, which finalize needs.
     kind: type[ctypes.Array[ctypes.c_char]] = type("SealedMapping", (ctypes.c_char * size,), {})
     buffer = kind.from_address(addr)
-    weakref.finalize(buffer, libc.munmap, addr, size)
+    weakref.finalize(buffer, unmap, addr, size)
     return buffer
 
 
 def _fs_type(fd: int) -> int | None:
     """``statfs.f_type`` of the file behind ``fd`` (Linux), or None if unknown."""
     buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
-    if _Libc.get().fstatfs(fd, buf) != 0:
+    fstatfs = libc.function("fstatfs", ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+    if fstatfs is None or fstatfs(fd, buf) != 0:
         return None
     return int(ctypes.c_long.from_buffer(buf).value)
 

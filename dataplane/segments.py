@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import logging
 import mmap
 import os
 import sys
 import threading
+from typing import Any
 
 import posix_ipc
 
@@ -35,6 +35,7 @@ from contract.shm_naming import (
     fmt_bytes,
     sweep_stale,
 )
+from dataplane import libc
 
 __all__ = ["SWEPT_PREFIXES", "Segment", "sweep_stale_segments"]
 
@@ -171,14 +172,5 @@ class Segment:
                 return  # old kernel or no libc: first touches fault the pages instead
 
 
-def _libc_madvise() -> ctypes._NamedFuncPointer | None:
-    path = ctypes.util.find_library("c")
-    if path is None:
-        return None
-    try:
-        fn = ctypes.CDLL(path, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+def _libc_madvise() -> Any:
+    return libc.function("madvise", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
