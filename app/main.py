@@ -23,6 +23,7 @@ from starlette.routing import Route
 from app import __version__
 from app.bodies import BodyLimit
 from app.deps import ReceiptStamp
+from app.heap import TRIM_THRESHOLD_BYTES, keep_freed_memory
 from app.logs import configure_logging, host_configured_logging
 from app.problems import install_error_handlers, problem_doc
 from app.routes import cache, control, register
@@ -39,6 +40,7 @@ from contract.schemas import (
     RetrieveRequest,
     StoreRequest,
 )
+from contract.shm_naming import fmt_bytes
 from dataplane import streaming
 
 __all__ = ["app", "create_app"]
@@ -153,7 +155,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runtime = build_runtime(settings if settings is not None else _settings_from_environment())
         app.state.runtime = runtime
+        heap = runtime.settings.keep_freed_memory and keep_freed_memory()
         _startup_summary(runtime)
+        logger.info(
+            "heap: %s",
+            f"keeps up to {fmt_bytes(TRIM_THRESHOLD_BYTES)} of freed memory"
+            if heap
+            else "the C library's defaults (freed memory goes back at once)",
+        )
         watchdog = asyncio.create_task(
             watch_event_loop(runtime.telemetry.event_loop_stall_seconds.inc),
             name="mpcache-event-loop-watch",

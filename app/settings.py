@@ -171,6 +171,12 @@ class Settings(BaseSettings):
         description="Move scattered blocks with the streaming C kernel (built with the "
         "system C compiler on first start; numpy when there is none).",
     )
+    keep_freed_memory: bool = Field(
+        True,
+        description="Keep up to 64 MiB of freed heap for the next requests instead of "
+        "handing it back to the OS at once (glibc; app/heap.py): a large lookup then "
+        "faults no pages in.",
+    )
     max_body_size: ByteSize = Field(
         "32MiB",
         validate_default=True,
