@@ -81,14 +81,16 @@ class TokenEncoder:
     """One request's token ids, packed once as its token list grows.
 
     A long prompt is packed once; later calls only pack the tokens added since.
-    Thread-safe: the scheduler packs a lookup on the connector's loop thread and the
-    store and load plans on vLLM's thread, from the same packed bytes.
+    Thread-safe: the scheduler packs a lookup on the connector's lookup thread and
+    the store and load plans on vLLM's thread, from the same packed bytes. The
+    bytes are immutable, so the first pack of a prompt (a lookup's) is handed out
+    as it is, without a copy.
     """
 
     __slots__ = ("_lock", "_packed")
 
     def __init__(self) -> None:
-        self._packed = bytearray()
+        self._packed = b""
         self._lock = threading.Lock()
 
     def packed(self, tokens: Sequence[int], end: int) -> bytes:
@@ -96,8 +98,10 @@ class TokenEncoder:
         with self._lock:
             have = len(self._packed) // 4
             if end > have:
-                self._packed += pack_tokens(tokens[have:end])
-            return bytes(memoryview(self._packed)[: end * 4])
+                more = pack_tokens(tokens[have:end])
+                self._packed = self._packed + more if have else more
+            packed = self._packed
+        return packed if len(packed) == 4 * end else packed[: 4 * end]
 
     def encode(self, tokens: Sequence[int], end: int) -> str:
         """Base64 of ``packed(tokens, end)`` (the ``tokens_b64`` form)."""

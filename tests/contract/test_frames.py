@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -102,3 +103,32 @@ def test_reader_refuses_a_fault_where_it_is_found() -> None:
         list(lookup_frame_parts(_header(2), [good, good]))
     with pytest.raises(ValueError, match="fewer token blobs"):
         list(lookup_frame_parts(_header(2, 2), [good]))
+
+
+def test_parts_gathered_into_pieces_are_the_same_frame() -> None:
+    """A sender writes few large pieces, not one per item; the bytes do not change,
+    and each piece is written as soon as it is full (not after the next item)."""
+    from contract.frames import lookup_frame_parts
+
+    blobs = [pack_tokens(list(range(n))) for n in (5, 3, 7, 40)]
+    header = _header(5, 3, 7, 40)
+    whole = encode_lookup_frame(header, blobs)
+    produced: list[int] = []
+
+    def packing() -> Iterator[bytes]:
+        for i, blob in enumerate(blobs):
+            produced.append(i)
+            yield blob
+
+    head = len(whole) - sum(map(len, blobs))
+    sent = 0
+    pieces = []
+    for piece in lookup_frame_parts(header, packing(), piece_bytes=64):
+        sent += len(piece)
+        # Everything packed so far is in the pieces written: none is held back.
+        assert sent == head + sum(len(blobs[i]) for i in produced)
+        pieces.append(piece)
+    assert b"".join(pieces) == whole
+    assert all(len(p) >= 64 for p in pieces[:-1]) and len(pieces) < 1 + len(blobs)
+    one_by_one = list(lookup_frame_parts(header, blobs))
+    assert len(one_by_one) == 1 + len(blobs) and b"".join(one_by_one) == whole
