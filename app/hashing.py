@@ -53,6 +53,7 @@ __all__ = ["KEY_BYTES", "TokenHasher"]
 
 KEY_BYTES = 16
 _DOMAIN = b"mpcache/v2/xxh3-128/"
+_SEEDS_KEPT = 4096
 
 
 def _as_tokens(tokens: np.ndarray | Sequence[int]) -> np.ndarray:
@@ -70,6 +71,9 @@ class TokenHasher:
     def __init__(self, seed: int | None = None) -> None:
         self._chunk_size: int | None = None
         self._key = secrets.randbits(64) if seed is None else seed
+        # Seeds by (kind, namespace, salt, chunk size): one per tenant and model,
+        # hashed once (dict operations are atomic: threads may share it).
+        self._seeds: dict[tuple[bytes, str, str | None, int], bytes] = {}
         if not 0 <= self._key < 2**64:
             raise ValueError("the hash seed must be a 64-bit unsigned integer")
 
@@ -85,10 +89,24 @@ class TokenHasher:
         self._chunk_size = chunk_size
 
     def _seed(self, kind: bytes, namespace: str, cache_salt: str | None, size: int) -> bytes:
-        ns = namespace.encode()
-        salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode()
-        parts = (_DOMAIN, kind, len(ns).to_bytes(4, "little"), ns, salt, size.to_bytes(8, "little"))
-        return xxhash.xxh3_128_digest(b"".join(parts), self._key)
+        memo = (kind, namespace, cache_salt, size)
+        seed = self._seeds.get(memo)
+        if seed is None:
+            ns = namespace.encode()
+            salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode()
+            parts = (
+                _DOMAIN,
+                kind,
+                len(ns).to_bytes(4, "little"),
+                ns,
+                salt,
+                size.to_bytes(8, "little"),
+            )
+            seed = xxhash.xxh3_128_digest(b"".join(parts), self._key)
+            if len(self._seeds) >= _SEEDS_KEPT:
+                self._seeds.clear()
+            self._seeds[memo] = seed
+        return seed
 
     def prefix_keys(
         self,
@@ -108,7 +126,7 @@ class TokenHasher:
         num_chunks = len(arr) // size
         keys = list(known[:num_chunks])
         prev = keys[-1] if keys else self._seed(b"prefix", namespace, cache_salt, size)
-        raw = arr[: num_chunks * size].tobytes()
+        raw = arr[: num_chunks * size].data.cast("B")  # no copy: arr is contiguous
         step = size * 4
         digest = xxhash.xxh3_128_digest
         key = self._key

@@ -272,9 +272,10 @@ class Pool:
             hits = 0
             for key in keys:
                 if world_size == 1:  # the common case, without the per-rank loops
-                    if (key, 0) not in index:
+                    ident = (key, 0)
+                    if ident not in index:
                         break
-                    touch((key, 0))
+                    touch(ident)
                 else:
                     if any((key, rank) not in index for rank in ranks):
                         break

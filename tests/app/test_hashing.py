@@ -127,3 +127,21 @@ def test_keys_depend_on_the_secret_seed() -> None:
 def test_seed_must_be_64_bits(seed: int) -> None:
     with pytest.raises(ValueError, match="64-bit"):
         TokenHasher(seed)
+
+
+def test_each_key_is_the_keyed_hash_of_the_previous_key_and_the_chunk_bytes() -> None:
+    """The chain as docs/design.md s.5.2 defines it, computed independently: keys
+    shared through L2 by servers of one seed must not change with how the bytes
+    are sliced, and neither may the keys of a prompt whose array is a view."""
+    import xxhash
+
+    h = hasher(4)
+    tokens = np.arange(100, 124, dtype="<i4")
+    keys = h.prefix_keys("ns", None, tokens[2:])  # a view that starts mid-buffer
+    raw = tokens[2:].tobytes()
+    assert len(keys) == 5
+    for i in range(1, 5):
+        assert keys[i] == xxhash.xxh3_128_digest(keys[i - 1] + raw[16 * i : 16 * i + 16], SEED)
+    # The first key hashes the same first chunk after a seed of the namespace.
+    other_ns = h.prefix_keys("other", None, tokens[2:])
+    assert other_ns[0] != keys[0] and len(other_ns[0]) == KEY_BYTES
