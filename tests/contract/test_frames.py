@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Iterator
 
@@ -132,3 +133,26 @@ def test_parts_gathered_into_pieces_are_the_same_frame() -> None:
     assert all(len(p) >= 64 for p in pieces[:-1]) and len(pieces) < 1 + len(blobs)
     one_by_one = list(lookup_frame_parts(header, blobs))
     assert len(one_by_one) == 1 + len(blobs) and b"".join(one_by_one) == whole
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_reader_gives_the_same_items_however_the_body_is_cut(seed: int) -> None:
+    """Pieces cut anywhere (mid-header, mid-item, between items, empty) give the
+    items a whole read gives, in order; items that span pieces come out whole."""
+    from contract.frames import LookupFrameReader
+
+    rng = np.random.default_rng(seed)
+    sizes = [int(n) for n in rng.integers(0, 40, 12)]
+    tokens = [rng.integers(0, 2**31 - 1, n).tolist() for n in sizes]
+    raw = encode_lookup_frame(_header(*sizes), [pack_tokens(t) for t in tokens])
+    cuts = sorted({int(c) for c in rng.integers(0, len(raw), 20)} | {0, len(raw)})
+    reader = LookupFrameReader()
+    seen: list[list[int]] = []
+    for a, b in itertools.pairwise(cuts):
+        seen += [arr.tolist() for _, arr in reader.feed(raw[a:b])]
+        seen += [arr.tolist() for _, arr in reader.feed(b"")]
+    reader.close()
+    assert seen == tokens
+    extra = LookupFrameReader()
+    with pytest.raises(ValueError, match="token section holds"):
+        extra.feed(raw + b"\0\0\0\0")
