@@ -77,3 +77,30 @@ def test_copy_threads_are_measured_when_not_given() -> None:
     threads, rates = measure_copy_threads(2, nbytes=1 << 20, block_bytes=16 << 10)
     assert threads in (1, 2) and set(rates) == {1, 2} and all(r > 0 for r in rates.values())
     assert measure_copy_threads(1) == (1, {})  # nothing to choose from
+
+
+def test_a_tie_between_thread_counts_is_measured_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Noise that slowed the two-thread rounds of the first attempt does not decide:
+    a near tie is measured again and every round counts (the fastest wins)."""
+    from dataplane import transfer
+
+    attempts = [
+        {1: [0.010, 0.011], 2: [0.0102, 0.012]},  # two threads held back: a near tie
+        {1: [0.0105, 0.010], 2: [0.0066, 0.007]},  # then two are 1.5x faster
+    ]
+    calls: list[int] = []
+
+    def fake(buf: object, counts: list[int], *rest: object) -> dict[int, list[float]]:
+        calls.append(len(calls))
+        return attempts[min(len(calls), len(attempts)) - 1]
+
+    monkeypatch.setattr(transfer, "_time_scatter", fake)
+    monkeypatch.setattr(transfer.time, "sleep", lambda s: None)
+    threads, rates = transfer.measure_copy_threads(2, nbytes=1 << 20, attempts=4)
+    assert (threads, len(calls)) == (2, 2)
+    assert rates[2] / rates[1] == pytest.approx(0.010 / 0.0066)
+    # A real tie stops after the attempts given, and the fewer threads win it.
+    calls.clear()
+    attempts[1] = attempts[0]
+    assert transfer.measure_copy_threads(2, nbytes=1 << 20, attempts=3)[0] == 1
+    assert len(calls) == 3
