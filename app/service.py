@@ -534,7 +534,7 @@ class CacheService:
             keys, item.world_size, holder=item.request_id, lease_ttl_s=self._lease_ttl_s
         )
         if hits and self._lease_ttl_s > 0:
-            session.leases.update(keys[:hits])
+            session.holds_leases = True
         # Built from a validated request id and a count: constructed, not validated
         # again (validation was 7% of the server's time in a burst's lookup, sampled).
         result = LookupResult.model_construct(request_id=item.request_id, hit_tokens=hits * size)

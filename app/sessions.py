@@ -54,7 +54,9 @@ class Session:
     last_used: float
     hashed_tokens: np.ndarray = field(default_factory=lambda: np.empty(0, dtype="<i4"))
     keys: list[bytes] = field(default_factory=list)
-    leases: set[bytes] = field(default_factory=set)
+    # Some lookup leased chunks to this request (the pool keeps which, per request
+    # id): its release must give them back.
+    holds_leases: bool = False
     charged_bytes: int = 0
 
 
@@ -246,6 +248,6 @@ class SessionManager:
         self._release(session)
 
     def _release(self, session: Session) -> None:
-        if self.on_release is not None and session.leases:
+        if self.on_release is not None and session.holds_leases:
             self.on_release(session)
-        session.leases.clear()
+        session.holds_leases = False

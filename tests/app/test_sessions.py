@@ -85,7 +85,7 @@ def test_ttl_expiry_and_release(manager: SessionManager, clock: Clock) -> None:
     released: list[str] = []
     manager.on_release = lambda s: released.append(s.request_id)
     session, _ = manager.keys_for("a", "ns", None, np.arange(4, dtype=np.int32))
-    session.leases.add(b"k")
+    session.holds_leases = True
     manager.keys_for("b", "ns", None, np.arange(4, dtype=np.int32))
     clock.now = 5.0
     manager.keys_for("b", "ns", None, np.arange(4, dtype=np.int32))
