@@ -14,8 +14,12 @@ Kernels, chosen by measurement (bench/dataplane_bench.py; figures in
   so a long one streams past the cache (``dataplane.streaming``): block ids that
   form runs (consecutive ids in consecutive slots, as vLLM hands out fresh blocks)
   move with one slice assignment per run; scattered ids move with the streaming
-  block kernel (``dataplane.blockcopy``: non-temporal stores, one C call per tensor
-  and chunk) when the ``CopyPool`` has one, else are gathered on store with one
+  block kernel (``dataplane.blockcopy``: non-temporal stores) when the ``CopyPool``
+  has one: every tensor's block addresses of a chunk are computed in one numpy
+  expression from row addresses the plans keep, then one C call per lane moves
+  them (per tensor, working out the addresses had cost as much as moving a 1 MiB
+  tensor's blocks, and held the GIL the other lanes needed); else they are gathered
+  on store with one
   unbuffered ``np.take`` straight into the entry region and scattered on retrieve
   with one fancy-index assignment (a cached staging buffer streamed out afterwards
   measured slower through the server, 0.45-0.64x against 0.78x). torch's
@@ -44,6 +48,7 @@ on retrieve they are never written.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import mmap
@@ -95,6 +100,11 @@ class TensorPlan:
     """Contiguous strides of ``region_shape``."""
     array: np.ndarray | None
     """``view`` as a numpy array (CPU tensors only), for the scatter kernel."""
+    rows: np.ndarray | None = None
+    """Streamable plans (``_streamable``): the address of each outer row of
+    ``array`` (int64), so the block kernel's addresses need no per-tensor work."""
+    region_rows: np.ndarray | None = None
+    """Streamable plans: the byte offset in an entry of each outer row of the region."""
 
     @property
     def is_cuda(self) -> bool:
@@ -258,7 +268,14 @@ def make_plan(tensor: torch.Tensor, geo: TensorGeometry, region: Region) -> Tens
         view, dim, shape = tensor.view(_SAME_WIDTH_INT[geo.itemsize]), geo.block_dim, region.shape
     array = None if view.is_cuda else view.numpy()
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-    return TensorPlan(region, view, dim, shape, stride, array)
+    plan = TensorPlan(region, view, dim, shape, stride, array)
+    if not _streamable(plan):
+        return plan
+    assert array is not None
+    outer = np.arange(array.shape[0], dtype=np.int64)
+    rows = array.ctypes.data + outer * array.strides[0]
+    region_rows = region.offset_bytes + outer * (stride[0] * array.itemsize)
+    return dataclasses.replace(plan, rows=rows, region_rows=region_rows)
 
 
 Run = tuple[int, int, int]
@@ -353,18 +370,63 @@ def _streamable(plan: TensorPlan) -> bool:
     return a is not None and plan.dim == 1 and a.ndim == 3 and a.strides[2] == a.itemsize
 
 
-def _block_addresses(array: np.ndarray, blocks: np.ndarray) -> np.ndarray:
-    """Start address of block ``blocks[i]`` in each outer row of a
-    ``[outer, blocks, words]`` array, outer row by outer row.
+@dataclass(frozen=True)
+class _Stream:
+    """Streamable plans of one group that share a block stride and size: their
+    blocks move with one kernel call per lane (``_stream_jobs``)."""
 
-    The kernel writes where these point, so every block is checked to lie inside
-    ``array`` here (numpy's own indexing would have refused it), whatever the
-    callers validated before."""
-    if blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= array.shape[1]):
-        raise IndexError(f"block ids outside [0, {array.shape[1]})")
-    outer = np.arange(array.shape[0], dtype=np.int64)[:, None] * array.strides[0]
-    addresses: np.ndarray = array.ctypes.data + outer + blocks[None, :] * array.strides[1]
-    return addresses.ravel()
+    plans: list[TensorPlan]
+    block_stride: int
+    block_bytes: int
+
+
+def _stream_key(plan: TensorPlan) -> tuple[int, int, int]:
+    a = plan.array
+    assert a is not None
+    return plan.region.group_index, a.strides[1], a.shape[2] * a.itemsize
+
+
+def _stream_jobs(
+    stream: _Stream,
+    kernel: BlockCopier,
+    entry: torch.Tensor,
+    blocks: np.ndarray,
+    slots: np.ndarray,
+    lanes: int,
+    *,
+    store: bool,
+) -> list[Callable[[], int]]:
+    """Jobs moving ``blocks`` (ids in every plan's tensor) to or from ``slots`` (in
+    every plan's region of ``entry``), the rows of all plans split across ``lanes``.
+
+    The kernel writes where these addresses point, so ids and slots are checked
+    against the tensors and the regions here, whatever the callers validated."""
+    plans = stream.plans
+    if blocks.size and (
+        int(blocks.min()) < 0 or int(blocks.max()) >= min(p.view.shape[1] for p in plans)
+    ):
+        raise IndexError("block ids outside the registered tensors")
+    per_region = plans[0].region_shape[1]
+    if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= per_region):
+        raise IndexError(f"slots outside [0, {per_region})")
+    if any(p.region.offset_bytes + p.region.nbytes > entry.numel() for p in plans):
+        raise ValueError("the entry is smaller than the registration's regions")
+    rows = np.concatenate([p.rows for p in plans if p.rows is not None])
+    region_rows = np.concatenate([p.region_rows for p in plans if p.region_rows is not None])
+    tensor_side = rows[:, None] + blocks[None, :] * stream.block_stride
+    entry_side = (entry.data_ptr() + region_rows)[:, None] + slots[None, :] * stream.block_bytes
+    src, dst = (tensor_side, entry_side) if store else (entry_side, tensor_side)
+    bounds = np.linspace(0, len(rows), max(1, min(lanes, len(rows))) + 1).astype(int)
+    return [
+        partial(_stream_rows, kernel, src[a:b], dst[a:b], stream.block_bytes)
+        for a, b in itertools.pairwise(bounds.tolist())
+        if b > a
+    ]
+
+
+def _stream_rows(kernel: BlockCopier, src: np.ndarray, dst: np.ndarray, block_bytes: int) -> int:
+    kernel.copy(src.ravel(), dst.ravel(), block_bytes)
+    return int(src.size) * block_bytes
 
 
 def _gather_cpu(
@@ -372,7 +434,6 @@ def _gather_cpu(
     ids: np.ndarray,
     runs: list[Run] | None,
     dst: np.ndarray,
-    kernel: BlockCopier | None = None,
 ) -> int:
     src = plan.array
     assert src is not None
@@ -380,12 +441,6 @@ def _gather_cpu(
     if runs is not None:
         for slot, block, n in runs:
             dst[_at(d, slot, n)] = src[_at(d, block, n)]
-    elif kernel is not None and _streamable(plan):
-        if len(ids) != dst.shape[1]:
-            raise ValueError(f"{len(ids)} block ids for a region of {dst.shape[1]} blocks")
-        slots = np.arange(len(ids), dtype=np.int64)
-        block_bytes = src.shape[2] * src.itemsize
-        kernel.copy(_block_addresses(src, ids), _block_addresses(dst, slots), block_bytes)
     else:
         # Unbuffered only with mode="clip" (ids are validated): "raise" copies via a
         # temporary. Straight into the (contiguous) region measured faster than
@@ -409,6 +464,7 @@ def gather_chunk(
     typed: dict[torch.dtype, torch.Tensor] = {}
     entry_array: np.ndarray | None = None
     jobs: list[Callable[[], int]] = []
+    streams: dict[tuple[int, int, int], _Stream] = {}
     copied = 0
     for plan in plans:
         g = plan.region.group_index
@@ -417,11 +473,15 @@ def gather_chunk(
             runs[g] = block_runs(np.arange(len(ids)), ids)
         group_runs = runs[g]
         if plan.array is not None:
+            if group_runs is None and pool.kernel is not None and plan.rows is not None:
+                key = _stream_key(plan)
+                streams.setdefault(key, _Stream([], key[1], key[2])).plans.append(plan)
+                continue
             if entry_array is None:
                 entry_array = entry_bytes.numpy()
             dst_array = plan.region_array(entry_array)
             ids64 = np.ascontiguousarray(group_ids[g], dtype=np.int64)
-            jobs.append(partial(_gather_cpu, plan, ids64, group_runs, dst_array, pool.kernel))
+            jobs.append(partial(_gather_cpu, plan, ids64, group_runs, dst_array))
             continue
         entry_typed = typed.get(plan.view.dtype)
         if entry_typed is None:
@@ -437,6 +497,17 @@ def gather_chunk(
                 idx = indices[(g, device)] = _index(group_ids[g], device)
             dst.copy_(plan.view.index_select(plan.dim, idx))
         copied += plan.region.nbytes
+    for (g, _, _), stream in streams.items():
+        assert pool.kernel is not None
+        ids64 = np.ascontiguousarray(group_ids[g], dtype=np.int64)
+        if len(ids64) != stream.plans[0].region_shape[1]:
+            raise ValueError(
+                f"{len(ids64)} block ids for a region of {stream.plans[0].region_shape[1]} blocks"
+            )
+        slots = np.arange(len(ids64), dtype=np.int64)
+        jobs += _stream_jobs(
+            stream, pool.kernel, entry_bytes, ids64, slots, pool.threads, store=True
+        )
     return copied + pool.run(jobs)
 
 
@@ -446,7 +517,6 @@ def _scatter_cpu(
     positions: np.ndarray | None,
     runs: list[Run] | None,
     src: np.ndarray,
-    kernel: BlockCopier | None = None,
 ) -> int:
     dst = plan.array
     assert dst is not None
@@ -454,10 +524,6 @@ def _scatter_cpu(
     if runs is not None:
         for slot, block, n in runs:
             dst[_at(d, block, n)] = src[_at(d, slot, n)]
-    elif kernel is not None and _streamable(plan):
-        slots = np.arange(len(idx), dtype=np.int64) if positions is None else positions
-        block_bytes = dst.shape[2] * dst.itemsize
-        kernel.copy(_block_addresses(src, slots), _block_addresses(dst, idx), block_bytes)
     else:
         if positions is not None:
             src = np.take(src, positions, axis=d)
@@ -482,6 +548,7 @@ def scatter_chunk(
     typed: dict[torch.dtype, torch.Tensor] = {}
     entry_array: np.ndarray | None = None
     jobs: list[Callable[[], int]] = []
+    streams: dict[tuple[int, int, int], _Stream] = {}
     copied = 0
     cuda_devices: set[torch.device] = set()
     for plan in plans:
@@ -496,12 +563,14 @@ def scatter_chunk(
         if idx.size == 0:
             continue
         if plan.array is not None:
+            if group_runs is None and pool.kernel is not None and plan.rows is not None:
+                key = _stream_key(plan)
+                streams.setdefault(key, _Stream([], key[1], key[2])).plans.append(plan)
+                continue
             if entry_array is None:
                 entry_array = entry_bytes.numpy()
             src_array = plan.region_array(entry_array)
-            jobs.append(
-                partial(_scatter_cpu, plan, idx, positions, group_runs, src_array, pool.kernel)
-            )
+            jobs.append(partial(_scatter_cpu, plan, idx, positions, group_runs, src_array))
             continue
         cuda_devices.add(plan.view.device)
         entry_typed = typed.get(plan.view.dtype)
@@ -518,6 +587,13 @@ def scatter_chunk(
             plan.view.index_copy_(plan.dim, _index(idx, device), src_t.to(device))
         block_bytes = plan.region.nbytes // plan.region_shape[plan.dim]
         copied += block_bytes * int(idx.size)
+    for (g, _, _), stream in streams.items():
+        assert pool.kernel is not None
+        idx, positions, _ = selected[g]
+        slots = np.arange(len(idx), dtype=np.int64) if positions is None else positions
+        jobs += _stream_jobs(
+            stream, pool.kernel, entry_bytes, idx, slots, pool.threads, store=False
+        )
     copied += pool.run(jobs)
     for device in cuda_devices:
         torch.cuda.synchronize(device)

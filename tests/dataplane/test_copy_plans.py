@@ -195,3 +195,53 @@ def test_the_block_kernel_never_writes_outside_the_tensors() -> None:
     with pytest.raises(IndexError, match="outside"):
         scatter_chunk([dst_plan], [np.array([9, 2, 13, 4])], entry, pool)
     assert not dst.view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("kernel", ["numpy", "streaming"])
+def test_a_chunk_of_many_layers_lands_in_their_own_regions(threads: int, kernel: str) -> None:
+    """Several layers share one entry, each in its own region, and the streaming
+    kernel moves all of them in one call per lane: every layer's blocks land in its
+    region and come back to the right blocks, whatever the lane count."""
+    from dataplane.transfer import CopyPool
+
+    n_per_chunk, layers = 4, 5
+    gen = torch.Generator().manual_seed(threads)
+    srcs = [torch.randn(2, 20, 16, 2, 8, generator=gen).bfloat16() for _ in range(layers)]
+    dsts = [torch.zeros_like(t) for t in srcs]
+    specs = []
+    geos = {}
+    for i, t in enumerate(srcs):
+        geo = tensor_geometry(
+            MemfdTensor(
+                ticket="t",
+                offset_bytes=0,
+                shape=list(t.shape),
+                stride=list(t.stride()),
+                dtype="bfloat16",
+                block_dim=1,
+            )
+        )
+        geos[i] = geo
+        specs.append(BlockTensorSpec(f"l{i}", 0, geo.dtype_name, geo.itemsize, geo.shape, 1))
+    layout = chunk_layout(16 * n_per_chunk, [GroupSpec(0, "attention", 16)], specs)
+    plans = [make_plan(t, geos[i], layout.regions[i]) for i, t in enumerate(srcs)]
+    back = [make_plan(t, geos[i], layout.regions[i]) for i, t in enumerate(dsts)]
+    entry = torch.zeros(layout.chunk_bytes, dtype=torch.uint8)
+    pool = CopyPool(threads, streaming_kernel() if kernel == "streaming" else None)
+    try:
+        store_ids, load_ids = [17, 3, 11, 6], [2, 19, 0, 8]  # scattered; one null slot
+        copied = gather_chunk(plans, [np.array(store_ids)], entry, pool)
+        assert copied == layout.chunk_bytes == sum(r.nbytes for r in layout.regions)
+        for i, region in enumerate(layout.regions):
+            got = entry[region.offset_bytes : region.offset_bytes + region.nbytes]
+            want = srcs[i][:, store_ids].contiguous().view(torch.uint8).flatten()
+            assert torch.equal(got, want), f"layer {i}'s region"
+        scatter_chunk(back, [np.array(load_ids)], entry, pool)
+        for src, dst in zip(srcs, dsts, strict=True):
+            for a, b in zip(store_ids, load_ids, strict=True):
+                if b:
+                    assert torch.equal(src[:, a].view(torch.uint8), dst[:, b].view(torch.uint8))
+            assert not dst[:, 0].view(torch.uint8).any()
+    finally:
+        pool.close()
