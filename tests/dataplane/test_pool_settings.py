@@ -95,7 +95,6 @@ def test_a_tie_between_thread_counts_is_measured_again(monkeypatch: pytest.Monke
         return attempts[min(len(calls), len(attempts)) - 1]
 
     monkeypatch.setattr(transfer, "_time_scatter", fake)
-    monkeypatch.setattr(transfer.time, "sleep", lambda s: None)
     threads, rates = transfer.measure_copy_threads(2, nbytes=1 << 20, attempts=4)
     assert (threads, len(calls)) == (2, 2)
     assert rates[2] / rates[1] == pytest.approx(0.010 / 0.0066)
