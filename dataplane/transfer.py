@@ -370,24 +370,29 @@ def _streamable(plan: TensorPlan) -> bool:
     return a is not None and plan.dim == 1 and a.ndim == 3 and a.strides[2] == a.itemsize
 
 
-@dataclass(frozen=True)
-class _Stream:
-    """Streamable plans of one group that share a block stride and size: their
-    blocks move with one kernel call per lane (``_stream_jobs``)."""
-
-    plans: list[TensorPlan]
-    block_stride: int
-    block_bytes: int
+StreamKey = tuple[int, int, int]
+"""(group, block stride in the tensor, block bytes): plans that share it move their
+blocks with one kernel call per lane (``_stream_jobs``)."""
 
 
-def _stream_key(plan: TensorPlan) -> tuple[int, int, int]:
+def _streams_take(
+    streams: dict[StreamKey, list[TensorPlan]],
+    plan: TensorPlan,
+    runs: list[Run] | None,
+    kernel: BlockCopier | None,
+) -> bool:
+    """Add ``plan`` to ``streams`` if the block kernel moves its scattered blocks."""
     a = plan.array
-    assert a is not None
-    return plan.region.group_index, a.strides[1], a.shape[2] * a.itemsize
+    if runs is not None or kernel is None or plan.rows is None or a is None:
+        return False
+    key = (plan.region.group_index, a.strides[1], a.shape[2] * a.itemsize)
+    streams.setdefault(key, []).append(plan)
+    return True
 
 
 def _stream_jobs(
-    stream: _Stream,
+    key: StreamKey,
+    plans: list[TensorPlan],
     kernel: BlockCopier,
     entry: torch.Tensor,
     blocks: np.ndarray,
@@ -401,7 +406,7 @@ def _stream_jobs(
 
     The kernel writes where these addresses point, so ids and slots are checked
     against the tensors and the regions here, whatever the callers validated."""
-    plans = stream.plans
+    _, block_stride, block_bytes = key
     if blocks.size and (
         int(blocks.min()) < 0 or int(blocks.max()) >= min(p.view.shape[1] for p in plans)
     ):
@@ -413,12 +418,12 @@ def _stream_jobs(
         raise ValueError("the entry is smaller than the registration's regions")
     rows = np.concatenate([p.rows for p in plans if p.rows is not None])
     region_rows = np.concatenate([p.region_rows for p in plans if p.region_rows is not None])
-    tensor_side = rows[:, None] + blocks[None, :] * stream.block_stride
-    entry_side = (entry.data_ptr() + region_rows)[:, None] + slots[None, :] * stream.block_bytes
+    tensor_side = rows[:, None] + blocks[None, :] * block_stride
+    entry_side = (entry.data_ptr() + region_rows)[:, None] + slots[None, :] * block_bytes
     src, dst = (tensor_side, entry_side) if store else (entry_side, tensor_side)
     bounds = np.linspace(0, len(rows), max(1, min(lanes, len(rows))) + 1).astype(int)
     return [
-        partial(_stream_rows, kernel, src[a:b], dst[a:b], stream.block_bytes)
+        partial(_stream_rows, kernel, src[a:b], dst[a:b], block_bytes)
         for a, b in itertools.pairwise(bounds.tolist())
         if b > a
     ]
@@ -464,7 +469,7 @@ def gather_chunk(
     typed: dict[torch.dtype, torch.Tensor] = {}
     entry_array: np.ndarray | None = None
     jobs: list[Callable[[], int]] = []
-    streams: dict[tuple[int, int, int], _Stream] = {}
+    streams: dict[StreamKey, list[TensorPlan]] = {}
     copied = 0
     for plan in plans:
         g = plan.region.group_index
@@ -473,9 +478,7 @@ def gather_chunk(
             runs[g] = block_runs(np.arange(len(ids)), ids)
         group_runs = runs[g]
         if plan.array is not None:
-            if group_runs is None and pool.kernel is not None and plan.rows is not None:
-                key = _stream_key(plan)
-                streams.setdefault(key, _Stream([], key[1], key[2])).plans.append(plan)
+            if _streams_take(streams, plan, group_runs, pool.kernel):
                 continue
             if entry_array is None:
                 entry_array = entry_bytes.numpy()
@@ -497,16 +500,16 @@ def gather_chunk(
                 idx = indices[(g, device)] = _index(group_ids[g], device)
             dst.copy_(plan.view.index_select(plan.dim, idx))
         copied += plan.region.nbytes
-    for (g, _, _), stream in streams.items():
+    for key, stream in streams.items():
         assert pool.kernel is not None
-        ids64 = np.ascontiguousarray(group_ids[g], dtype=np.int64)
-        if len(ids64) != stream.plans[0].region_shape[1]:
+        ids64 = np.ascontiguousarray(group_ids[key[0]], dtype=np.int64)
+        if len(ids64) != stream[0].region_shape[1]:
             raise ValueError(
-                f"{len(ids64)} block ids for a region of {stream.plans[0].region_shape[1]} blocks"
+                f"{len(ids64)} block ids for a region of {stream[0].region_shape[1]} blocks"
             )
         slots = np.arange(len(ids64), dtype=np.int64)
         jobs += _stream_jobs(
-            stream, pool.kernel, entry_bytes, ids64, slots, pool.threads, store=True
+            key, stream, pool.kernel, entry_bytes, ids64, slots, pool.threads, store=True
         )
     return copied + pool.run(jobs)
 
@@ -548,7 +551,7 @@ def scatter_chunk(
     typed: dict[torch.dtype, torch.Tensor] = {}
     entry_array: np.ndarray | None = None
     jobs: list[Callable[[], int]] = []
-    streams: dict[tuple[int, int, int], _Stream] = {}
+    streams: dict[StreamKey, list[TensorPlan]] = {}
     copied = 0
     cuda_devices: set[torch.device] = set()
     for plan in plans:
@@ -563,9 +566,7 @@ def scatter_chunk(
         if idx.size == 0:
             continue
         if plan.array is not None:
-            if group_runs is None and pool.kernel is not None and plan.rows is not None:
-                key = _stream_key(plan)
-                streams.setdefault(key, _Stream([], key[1], key[2])).plans.append(plan)
+            if _streams_take(streams, plan, group_runs, pool.kernel):
                 continue
             if entry_array is None:
                 entry_array = entry_bytes.numpy()
@@ -587,12 +588,12 @@ def scatter_chunk(
             plan.view.index_copy_(plan.dim, _index(idx, device), src_t.to(device))
         block_bytes = plan.region.nbytes // plan.region_shape[plan.dim]
         copied += block_bytes * int(idx.size)
-    for (g, _, _), stream in streams.items():
+    for key, stream in streams.items():
         assert pool.kernel is not None
-        idx, positions, _ = selected[g]
+        idx, positions, _ = selected[key[0]]
         slots = np.arange(len(idx), dtype=np.int64) if positions is None else positions
         jobs += _stream_jobs(
-            stream, pool.kernel, entry_bytes, idx, slots, pool.threads, store=False
+            key, stream, pool.kernel, entry_bytes, idx, slots, pool.threads, store=False
         )
     copied += pool.run(jobs)
     for device in cuda_devices:
