@@ -535,9 +535,9 @@ class CacheService:
         )
         if hits and self._lease_ttl_s > 0:
             session.holds_leases = True
-        # Built from a validated request id and a count: constructed, not validated
-        # again (validation was 7% of the server's time in a burst's lookup, sampled).
-        result = LookupResult.model_construct(request_id=item.request_id, hit_tokens=hits * size)
+        # Validated: pydantic's model_construct runs in Python and costs twice as much
+        # (4.5 against 2 us).
+        result = LookupResult(request_id=item.request_id, hit_tokens=hits * size)
         rest = keys[hits:] if self.l2 is not None and self.l2.up else []
         return result, hits, len(keys) - hits, rest
 

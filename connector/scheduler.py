@@ -58,6 +58,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from connector import tokenpack
 from connector.alignment import KVLayout, check_chunk_size
 from connector.client import AsyncControlClient, ControlClient, TransportFactory
 from connector.config import ConnectorConfig
@@ -119,7 +120,7 @@ class _Lookup:
 @dataclass
 class _RequestState:
     request: Any
-    encoder: TokenEncoder = field(default_factory=TokenEncoder)
+    encoder: TokenEncoder
     block_ids: list[list[int]] = field(default_factory=list)
     # Lookup memo for this admission: the answer is reused while vLLM retries,
     # until it is lookup_max_age_s old (clock time the lookup started in lookup_at).
@@ -218,14 +219,17 @@ class SchedulerAdapter:
             transport_factory=async_transport,
             api_token=config.api_token,
         )
+        # Loaded (compiled once per machine) here, at startup: never on vLLM's thread.
+        self._packer = tokenpack.load()
         if start_heartbeat:
             self.heartbeat.start()
         logger.info(
-            "mpcache scheduler: chunk size %d (alignment %d; %s) with %s",
+            "mpcache scheduler: chunk size %d (alignment %d; %s) with %s; token packing: %s",
             self.chunk_size,
             self.alignment,
             layout.describe(),
             ", ".join(self.links),
+            "native" if self._packer.kernel else f"struct ({self._packer.reason})",
         )
 
     # ------------------------------------------------------------ negotiation
@@ -284,7 +288,7 @@ class SchedulerAdapter:
         if st is None or st.request is not request:
             if st is not None and st.lookup is not None:
                 st.lookup.abandoned = True
-            st = _RequestState(request=request)
+            st = _RequestState(request=request, encoder=TokenEncoder(self._packer))
             self._requests[request.request_id] = st
         return st
 
@@ -421,12 +425,11 @@ class SchedulerAdapter:
         self, url: str, ranks: int, batch: Sequence[_Lookup], packed: Iterable[bytes]
     ) -> LookupResponse | None:
         """One server's answer to the batch; None if the call failed."""
-        # Built from values this adapter checked (the server validates the header
-        # again): model_construct skips ~5 us of validation per item, on a path the
-        # whole burst waits for.
-        header = LookupFrameHeader.model_construct(
+        # Validated, not model_construct'ed: pydantic's model_construct runs in Python
+        # and took twice as long here (0.46 against 0.20 ms for 64 items).
+        header = LookupFrameHeader(
             requests=[
-                LookupFrameItem.model_construct(
+                LookupFrameItem(
                     request_id=p.request_id,
                     namespace=self.namespace,
                     cache_salt=p.cache_salt,

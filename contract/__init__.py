@@ -11,6 +11,7 @@ Both sides import this package; it imports neither of them, nor any web framewor
 - ``fdpass``      the registration socket's memfd handshake, seals and limits
 - ``shm_naming``  the pool's segment names, stale judgement, free space
 - ``cuda_ipc``    Note [mpcache CUDA IPC invariants] and the producer's descriptor
+- ``kernels``     small C kernels, compiled once per source (block copies, token packing)
 
 Importing it does nothing (no threads, files, sockets or CUDA).
 """

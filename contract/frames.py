@@ -141,7 +141,9 @@ class LookupFrameReader:
         out: list[tuple[LookupFrameItem, np.ndarray]] = []
         if sizes:
             end = self._at + 4 * total
-            tokens = check_tokens(np.frombuffer(bytes(self._buf[self._at : end]), TOKEN_DTYPE))
+            with memoryview(self._buf) as view:  # one copy (a bytearray slice is another)
+                raw = bytes(view[self._at : end])
+            tokens = check_tokens(np.frombuffer(raw, TOKEN_DTYPE))
             self._at = end
             start = 0
             for item, size in zip(items[first : self._next], sizes, strict=True):

@@ -18,16 +18,18 @@ import base64
 import binascii
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 __all__ = [
     "TOKEN_DTYPE",
+    "PackRange",
     "TokenEncoder",
     "check_tokens",
     "decode_tokens",
     "encode_tokens",
+    "pack_range",
     "pack_tokens",
 ]
 
@@ -38,6 +40,16 @@ TOKEN_DTYPE = np.dtype("<i4")
 def pack_tokens(tokens: Sequence[int]) -> bytes:
     """Token ids as little-endian int32 bytes (``struct.error`` past int32)."""
     return struct.pack(f"<{len(tokens)}i", *tokens)
+
+
+def pack_range(tokens: Sequence[int], start: int, end: int) -> bytes:
+    """``pack_tokens(tokens[start:end])``: the ``PackRange`` a ``TokenEncoder`` uses
+    unless it is given another (the connector's native one, ``connector.tokenpack``)."""
+    return pack_tokens(tokens[start:end])
+
+
+PackRange = Callable[[Sequence[int], int, int], bytes]
+"""``(tokens, start, end)`` to the little-endian int32 bytes of ``tokens[start:end]``."""
 
 
 def encode_tokens(tokens: Sequence[int]) -> str:
@@ -87,10 +99,11 @@ class TokenEncoder:
     as it is, without a copy.
     """
 
-    __slots__ = ("_lock", "_packed")
+    __slots__ = ("_lock", "_pack", "_packed")
 
-    def __init__(self) -> None:
+    def __init__(self, pack: PackRange = pack_range) -> None:
         self._packed = b""
+        self._pack = pack
         self._lock = threading.Lock()
 
     def packed(self, tokens: Sequence[int], end: int) -> bytes:
@@ -98,7 +111,7 @@ class TokenEncoder:
         with self._lock:
             have = len(self._packed) // 4
             if end > have:
-                more = pack_tokens(tokens[have:end])
+                more = self._pack(tokens, have, end)
                 self._packed = self._packed + more if have else more
             packed = self._packed
         return packed if len(packed) == 4 * end else packed[: 4 * end]

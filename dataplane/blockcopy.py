@@ -9,12 +9,9 @@ the next block's first lines; there it moved random 32 KiB blocks at ~0.85x a la
 copy against ~0.6x for a memcpy per block (bench/dataplane_bench.py has the
 through-the-server figures).
 
-``load`` loads the kernel with ctypes (which releases the GIL for the call) from
-``$XDG_CACHE_HOME/mpcache/kernels`` (default ``~/.cache``), compiling it there first
-with the system C compiler (``cc``, or ``$CC``) if this source has not been built
-yet, or into a private temporary folder when that one cannot be written. A kernel
-built ahead (the Dockerfile does, then removes the compiler) needs no compiler.
-Without x86-64, or with neither a built kernel nor a compiler, it raises
+``load`` loads the kernel with ctypes (which releases the GIL for the call), built
+by ``contract.kernels`` (compiled once, cached; a kernel built ahead needs no
+compiler). Without x86-64, or with neither a built kernel nor a compiler, it raises
 ``KernelUnavailable`` with the reason and the copies stay with numpy; the server's
 startup log says which.
 """
@@ -22,29 +19,19 @@ startup log says which.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from contract.kernels import KernelUnavailable, build, kernel_dir
+
 __all__ = ["BlockCopier", "KernelUnavailable", "kernel_dir", "load"]
 
 SOURCE = Path(__file__).with_name("blockcopy.c")
-_FLAGS = ("-O2", "-shared", "-fPIC")
-_COMPILE_TIMEOUT_S = 60.0
-_lock = threading.Lock()
-
-
-class KernelUnavailable(Exception):
-    """The kernel cannot be built or loaded here (the message says why)."""
 
 
 @dataclass(frozen=True)
@@ -63,61 +50,16 @@ class BlockCopier:
         self._fn(src.ctypes.data, dst.ctypes.data, src.size, nbytes)
 
 
-def kernel_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mpcache" / "kernels"
-
-
-def _compiler() -> str:
-    name = os.environ.get("CC") or "cc"
-    path = shutil.which(name)
-    if path is None:
-        raise KernelUnavailable(f"no C compiler ({name!r} is not on PATH)")
-    return path
-
-
-def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        out = Path(scratch) / target.name
-        try:
-            done = subprocess.run(
-                [compiler, *_FLAGS, "-o", str(out), str(SOURCE)],
-                capture_output=True,
-                text=True,
-                timeout=_COMPILE_TIMEOUT_S,
-                check=False,
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise KernelUnavailable(f"{compiler} failed: {exc}") from exc
-        if done.returncode != 0:
-            raise KernelUnavailable(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-        os.replace(out, target)  # atomic: a concurrent server sees all of it or none
-
-
 def load() -> BlockCopier:
     """The kernel, compiled first if this source has not been yet
     (``KernelUnavailable`` says why not)."""
     if platform.machine().lower() not in ("x86_64", "amd64") or os.name != "posix":
         raise KernelUnavailable(f"streaming block copies need x86-64, not {platform.machine()}")
+    target = build(SOURCE)
     try:
-        source = SOURCE.read_bytes()
-    except OSError as exc:
-        raise KernelUnavailable(f"its source is missing: {exc}") from exc
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode())
-    name = f"blockcopy-{key.hexdigest()[:16]}.so"
-    target = kernel_dir() / name
-    with _lock:
-        if not target.exists():
-            compiler = _compiler()
-            try:
-                _build(compiler, target)
-            except OSError:  # a read-only home, say: this process's own folder
-                target = Path(tempfile.mkdtemp(prefix="mpcache-kernel-")) / name
-                _build(compiler, target)
-        try:
-            fn = ctypes.CDLL(str(target)).mpcache_copy_blocks
-        except (OSError, AttributeError) as exc:
-            raise KernelUnavailable(f"cannot load {target}: {exc}") from exc
+        fn = ctypes.CDLL(str(target)).mpcache_copy_blocks
+    except (OSError, AttributeError) as exc:
+        raise KernelUnavailable(f"cannot load {target}: {exc}") from exc
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     fn.restype = None
     return BlockCopier(target, fn)

@@ -707,18 +707,16 @@ def test_tokens_are_packed_once_per_request(
     adapters: list[SchedulerAdapter], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The lookup packs the prompt; the store plan reuses those bytes."""
-    import contract.tokens
-
     server = FakeServer(min_chunk_size=64)
     adapter = make(adapters, server)
     packed: list[int] = []
-    real = contract.tokens.pack_tokens
+    real = adapter._packer
 
-    def counting(tokens: Any) -> bytes:
-        packed.append(len(tokens))
-        return real(tokens)
+    def counting(tokens: Any, start: int, end: int) -> bytes:
+        packed.append(end - start)
+        return real(tokens, start, end)
 
-    monkeypatch.setattr(contract.tokens, "pack_tokens", counting)
+    monkeypatch.setattr(adapter, "_packer", counting)
     a = FakeRequest("A", _tokens(200))
     assert ask(adapter, a, 0) == (0, False)
     blocks = list(range(1, 14))
