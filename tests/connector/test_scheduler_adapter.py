@@ -637,6 +637,25 @@ def test_degraded_answers_zero_at_once_even_while_pending(
     assert server.lookups()[-2:] == [["B"], ["B"]]
 
 
+def test_vllm_own_cache_covering_the_prompt_answers_zero_while_pending(
+    adapters: list[SchedulerAdapter],
+) -> None:
+    """A waiting request's lookup is in flight when vLLM's own prefix cache comes to
+    hold the whole lookup (another request computed it): the answer is 0 at once,
+    not None until the lookup lands."""
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server)
+    prompt = _tokens(200)
+    _computed(adapter, server, prompt, 128)
+    server.lookup_gate.clear()
+    b = FakeRequest("B", list(prompt))
+    assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)
+    adapter.build_connector_meta(StepOutput())
+    assert adapter.get_num_new_matched_tokens(b, 64) == (None, False)  # still short of it
+    assert adapter.get_num_new_matched_tokens(b, 192) == (0, False)
+    server.lookup_gate.set()
+
+
 def test_request_finished_before_its_lookup_is_sent_is_never_looked_up(
     adapters: list[SchedulerAdapter],
 ) -> None:
