@@ -74,4 +74,14 @@ def load() -> TokenPacker:
         return TokenPacker(None, f"cannot load the token kernel: {exc}")
     fn.argtypes = [ctypes.py_object, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.py_object]
     fn.restype = ctypes.c_ssize_t
-    return TokenPacker(target, "", fn)
+    packer = TokenPacker(target, "", fn)
+    # A kernel that loads but packs other bytes (an interpreter it was not meant
+    # for) would make every lookup miss, silently: it must pack this first.
+    probe = [0, 1, 255, 256, 65535, 2**30 - 1, 2**30, 2**31 - 1] * NATIVE_MIN_TOKENS
+    try:
+        agrees = packer(probe, 0, len(probe)) == pack_range(probe, 0, len(probe))
+    except Exception as exc:  # any failure means: not this kernel
+        return TokenPacker(None, f"the token kernel failed its check: {exc!r}")
+    if not agrees:
+        return TokenPacker(None, "the token kernel packed other bytes than struct")
+    return packer

@@ -142,3 +142,18 @@ def test_without_a_compiler_packing_is_struct_and_says_why(
     assert "no-such-compiler-mpcache" in packer.reason
     tokens = _prompt(5000)
     assert packer(_ReadOnly(tokens), 0, 5000) == pack_tokens(tokens)
+
+
+def test_a_kernel_that_packs_other_bytes_is_not_used(
+    native: TokenPacker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checked at load against struct: a kernel built for another interpreter would
+    otherwise make every lookup miss without a word."""
+
+    def other_bytes(tokens: Sequence[int], start: int, end: int) -> bytes:
+        return b"\0" * (4 * (end - start))
+
+    monkeypatch.setattr(tokenpack, "pack_range", other_bytes)
+    packer = tokenpack.load()
+    assert packer.kernel is None
+    assert "other bytes" in packer.reason
