@@ -47,6 +47,7 @@ bench: venv
 	$(PY) bench/dataplane_bench.py
 	$(PY) bench/connector_bench.py
 	$(PY) bench/scheduler_burst_bench.py
+	$(PY) bench/token_pack_bench.py
 	$(PY) bench/lookup_heap_bench.py
 	$(PY) bench/l2_bench.py
 

@@ -11,12 +11,22 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import overload
 
 ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["MIN_ROUNDS", "ROOT", "Rounds", "load_line", "spread", "summary", "timed_ms"]
+__all__ = [
+    "MIN_ROUNDS",
+    "ROOT",
+    "Rounds",
+    "TokenView",
+    "load_line",
+    "spread",
+    "summary",
+    "timed_ms",
+]
 
 MIN_ROUNDS = 5
 
@@ -81,3 +91,24 @@ class Rounds:
             lines.append(f"{name:<44}{summary(values, digits):>30}{ratio:>30}")
         lines.append(f"({rounds} rounds, each ratio within its round)")
         return "\n".join(lines)
+
+
+class TokenView(Sequence[int]):
+    """A read-only view of a token list, as vLLM's ``Request.all_token_ids`` is (a
+    ``ConstantList``): a slice is a new list, iteration walks the list."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self._tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        return self._tokens[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._tokens)

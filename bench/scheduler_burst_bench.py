@@ -29,16 +29,15 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, overload
+from typing import Any
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import MIN_ROUNDS, Rounds, load_line
+from bench.common import MIN_ROUNDS, Rounds, TokenView, load_line
 from connector.alignment import layout_from_groups
 from connector.config import ConnectorConfig
 from connector.scheduler import SchedulerAdapter
@@ -68,31 +67,10 @@ class _Group:
     layer_names: list[str]
 
 
-class _TokenView(Sequence[int]):
-    """Read-only view of a token list, as vLLM's ``Request.all_token_ids`` is (a
-    ``ConstantList``): a slice is a new list, iteration walks the list."""
-
-    def __init__(self, tokens: list[int]) -> None:
-        self._tokens = tokens
-
-    def __len__(self) -> int:
-        return len(self._tokens)
-
-    @overload
-    def __getitem__(self, index: int) -> int: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[int]: ...
-    def __getitem__(self, index: int | slice) -> int | list[int]:
-        return self._tokens[index]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._tokens)
-
-
 @dataclass
 class _Request:
     request_id: str
-    all_token_ids: _TokenView
+    all_token_ids: TokenView
     num_prompt_tokens: int
     cache_salt: str | None = None
 
@@ -259,7 +237,7 @@ def main() -> None:
                     health.append((time.perf_counter() - begin) * 1e3)
                     if i == args.health_calls // 2:  # the burst sits between /health calls
                         requests = [
-                            _Request(f"r{r}-{j}", _TokenView(list(p)), len(p))
+                            _Request(f"r{r}-{j}", TokenView(list(p)), len(p))
                             for j, p in enumerate(prompts)
                         ]
                         figures = burst(sched, requests, expect)
