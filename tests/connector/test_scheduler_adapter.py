@@ -553,15 +553,22 @@ def test_lookups_start_on_first_sight_and_go_in_one_batch_per_step(
     assert len(server.lookups()) == before + 1
 
 
-def test_pending_lookup_answers_none_until_it_lands(adapters: list[SchedulerAdapter]) -> None:
-    server = FakeServer(min_chunk_size=64)
-    adapter = make(adapters, server)
+def _in_flight(adapter: SchedulerAdapter, server: FakeServer) -> FakeRequest:
+    """Request B, whose 128 tokens are cached, asked once: its lookup is sent and
+    held at the server (``server.lookup_gate``) until the test sets the gate."""
     prompt = _tokens(200)
     _computed(adapter, server, prompt, 128)
     server.lookup_gate.clear()
     b = FakeRequest("B", list(prompt))
     assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)
     adapter.build_connector_meta(StepOutput())
+    return b
+
+
+def test_pending_lookup_answers_none_until_it_lands(adapters: list[SchedulerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server)
+    b = _in_flight(adapter, server)
     wait_until(lambda: server.lookup_gate.is_set() or _sent(adapter))
     for _ in range(3):  # several steps: still in flight, still None, nothing resent
         assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)
@@ -584,12 +591,7 @@ def test_lookup_that_never_lands_answers_zero(
     server = FakeServer(min_chunk_size=64)
     clock = FakeClock()
     adapter = make(adapters, server, clock=clock)
-    prompt = _tokens(200)
-    _computed(adapter, server, prompt, 128)
-    server.lookup_gate.clear()
-    b = FakeRequest("B", list(prompt))
-    assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)
-    adapter.build_connector_meta(StepOutput())
+    b = _in_flight(adapter, server)
     clock.now += adapter.config.lookup_timeout_s
     assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)
     clock.now += 1.0
@@ -619,12 +621,7 @@ def test_degraded_answers_zero_at_once_even_while_pending(
 ) -> None:
     server = FakeServer(min_chunk_size=64)
     adapter = make(adapters, server)
-    prompt = _tokens(200)
-    _computed(adapter, server, prompt, 128)
-    server.lookup_gate.clear()
-    b = FakeRequest("B", list(prompt))
-    assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)
-    adapter.build_connector_meta(StepOutput())
+    b = _in_flight(adapter, server)
     link = adapter.links[server.url]
     link.mark_unhealthy("test")
     assert adapter.get_num_new_matched_tokens(b, 0) == (0, False)
@@ -645,12 +642,7 @@ def test_vllm_own_cache_covering_the_prompt_answers_zero_while_pending(
     not None until the lookup lands."""
     server = FakeServer(min_chunk_size=64)
     adapter = make(adapters, server)
-    prompt = _tokens(200)
-    _computed(adapter, server, prompt, 128)
-    server.lookup_gate.clear()
-    b = FakeRequest("B", list(prompt))
-    assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)
-    adapter.build_connector_meta(StepOutput())
+    b = _in_flight(adapter, server)
     assert adapter.get_num_new_matched_tokens(b, 64) == (None, False)  # still short of it
     assert adapter.get_num_new_matched_tokens(b, 192) == (0, False)
     server.lookup_gate.set()
