@@ -57,8 +57,8 @@ class Session:
     namespace: str
     cache_salt: str | None
     last_used: float
-    # A new session shares one empty, read-only array (a fresh one per session was
-    # ~1 us of a burst's per-item path); the first lookup replaces it.
+    # A new session shares one empty, read-only array (np.empty per session: 0.28
+    # against 0.03 us); the first lookup replaces it.
     hashed_tokens: np.ndarray = field(default_factory=lambda: _NO_TOKENS)
     keys: list[bytes] = field(default_factory=list)
     # Some lookup leased chunks to this request (the pool keeps which, per request
