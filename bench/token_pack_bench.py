@@ -3,10 +3,12 @@
 The prompts are what the burst bench sends: ``--requests`` prompts of ``--tokens``
 Python ints, each behind a read-only view as vLLM's ``Request.all_token_ids`` is (a
 ``ConstantList``: a slice is a new list). Each round packs all of them with
-``struct.pack(*tokens[:end])`` (``contract.tokens.pack_range``, the fallback) and
-with the kernel (``connector.tokenpack``), in turn, and checks the bytes agree; it
-prints the median and min-max spread of ``--rounds`` rounds in ms per burst and the
-kernel's time as a ratio to struct's within each round, with the machine load.
+``struct.pack(*tokens[:end])`` (``contract.tokens.pack_range``, the fallback), with
+the kernel reading the ids through the iterator protocol (what it does on other
+CPython versions), and with the kernel as loaded here (``connector.tokenpack``:
+direct on CPython 3.10/3.11), in turn, and checks the bytes agree; it prints the
+median and min-max spread of ``--rounds`` rounds in ms per burst and each time as a
+ratio to struct's within its round, with the machine load.
 
     .venv/bin/python bench/token_pack_bench.py [--rounds 9] [--requests 64] [--tokens 4096]
 """
@@ -14,6 +16,7 @@ kernel's time as a ratio to struct's within each round, with the machine load.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -49,17 +52,21 @@ def main() -> None:
         TokenView([(seed * 7919 + i * 131) % 150000 for i in range(args.tokens)])
         for seed in range(args.requests)
     ]
-    print(f"{args.requests} prompts of {args.tokens} tokens a burst")
+    iterated = dataclasses.replace(packer, direct=False)
+    print(f"{args.requests} prompts of {args.tokens} tokens a burst; packing: {packer.mode}")
     rounds = Rounds()
     for r in range(-1, max(MIN_ROUNDS, args.rounds)):  # round -1 warms up
         base_ms, expected = _burst_ms(pack_range, prompts)
+        iterated_ms, by_iterator = _burst_ms(iterated, prompts)
         kernel_ms, packed = _burst_ms(packer, prompts)
-        assert packed == expected, "the kernel packed other bytes than struct"
+        assert packed == expected == by_iterator, "the kernel packed other bytes than struct"
         if r >= 0:
             rounds.add("struct", base_ms)
-            rounds.add("kernel", kernel_ms)
+            rounds.add("kernel, iterator", iterated_ms)
+            rounds.add("kernel, as loaded", kernel_ms)
     print(load_line())
-    print(rounds.table(["struct", "kernel"], "struct", unit="ms", ratio_label="/ struct"))
+    names = ["struct", "kernel, iterator", "kernel, as loaded"]
+    print(rounds.table(names, "struct", unit="ms", ratio_label="/ struct"))
 
 
 if __name__ == "__main__":

@@ -231,7 +231,7 @@ class SchedulerAdapter:
             self.alignment,
             layout.describe(),
             ", ".join(self.links),
-            "native" if self._packer.kernel else f"struct ({self._packer.reason})",
+            self._packer.mode,
         )
 
     # ------------------------------------------------------------ negotiation
