@@ -23,7 +23,12 @@ from starlette.routing import Route
 from app import __version__
 from app.bodies import BodyLimit
 from app.deps import ReceiptStamp
-from app.heap import TRIM_THRESHOLD_BYTES, keep_freed_memory
+from app.heap import (
+    TRIM_THRESHOLD_BYTES,
+    freeze_startup_objects,
+    keep_freed_memory,
+    unfreeze_objects,
+)
 from app.logs import configure_logging, host_configured_logging
 from app.problems import install_error_handlers, problem_doc
 from app.routes import cache, control, register
@@ -163,6 +168,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if heap
             else "the C library's defaults (freed memory goes back at once)",
         )
+        frozen = freeze_startup_objects()
+        logger.info("gc: %d objects alive at startup frozen (later collections skip them)", frozen)
         watchdog = asyncio.create_task(
             watch_event_loop(runtime.telemetry.event_loop_stall_seconds.inc),
             name="mpcache-event-loop-watch",
@@ -173,6 +180,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             watchdog.cancel()
             _shutdown_summary(runtime)
             runtime.close()
+            unfreeze_objects()
             logger.info("mpcache stopped")
 
     app = FastAPIOffline(
