@@ -49,6 +49,7 @@ bench: venv
 	$(PY) bench/scheduler_burst_bench.py
 	$(PY) bench/token_pack_bench.py
 	$(PY) bench/lookup_heap_bench.py
+	$(PY) bench/gc_pause_bench.py
 	$(PY) bench/l2_bench.py
 
 clean:
