@@ -7,6 +7,10 @@ chunk size, so chunks of different namespaces, salts or chunk sizes never share 
 key. A partial trailing chunk gets no key. ``content_keys`` is the
 position-independent hash of one chunk's tokens (CacheBlend).
 
+**The loop.** Keys are hashed one chunk at a time in a C loop (``app.keychain``)
+where it builds and agrees with the Python loop below, which it replaces
+byte for byte.
+
 **Which H.** A lookup hashes every chunk of the prompt, one short input (1 KiB for
 256 tokens, plus the 16-byte previous key) at a time, so the per-call cost of the
 binding matters as much as the hash's speed. ``bench/hash_bench.py`` measures the
@@ -47,7 +51,9 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
+from app.keychain import KeyChain
 from contract.errors import NotNegotiated
+from contract.tokens import TOKEN_DTYPE
 
 __all__ = ["KEY_BYTES", "TokenHasher"]
 
@@ -66,10 +72,13 @@ class TokenHasher:
     ``seed``: the secret key of H (a 64-bit integer); by default a fresh random one,
     so keys are the same for the life of this hasher, in any thread, and unrelated
     across server processes. Equal seeds give equal keys in every process.
+    ``chain``: the C loop for prefix keys (``app.keychain``, checked at its load to
+    give the Python loop's keys); without it the keys are hashed in Python.
     """
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, *, chain: KeyChain | None = None) -> None:
         self._chunk_size: int | None = None
+        self._chain = chain  # the C loop (``app.keychain``), or None: the Python one
         self._key = secrets.randbits(64) if seed is None else seed
         # Seeds by (kind, namespace, salt, chunk size): one per tenant and model,
         # hashed once (dict operations are atomic: threads may share it).
@@ -122,14 +131,20 @@ class TokenHasher:
         session's cache); they are reused, and only later chunks are hashed.
         """
         size = self.chunk_size
-        arr = _as_tokens(tokens)
+        if type(tokens) is np.ndarray and tokens.dtype == TOKEN_DTYPE and tokens.flags.c_contiguous:
+            arr = tokens  # a lookup's ids as they came (``_as_tokens`` costs ~1 us)
+        else:
+            arr = _as_tokens(tokens)
         num_chunks = len(arr) // size
         keys = list(known[:num_chunks])
         prev = keys[-1] if keys else self._seed(b"prefix", namespace, cache_salt, size)
-        raw = arr[: num_chunks * size].data.cast("B")  # no copy: arr is contiguous
         step = size * 4
-        digest = xxhash.xxh3_128_digest
         key = self._key
+        if self._chain is not None:
+            keys += self._chain.keys(prev, arr, step, len(keys), num_chunks - len(keys), key)
+            return keys
+        raw = arr.data.cast("B")  # no copy: arr is contiguous; the loop stops at its chunks
+        digest = xxhash.xxh3_128_digest
         for i in range(len(keys) * step, num_chunks * step, step):
             prev = digest(prev + raw[i : i + step], key)
             keys.append(prev)

@@ -119,7 +119,7 @@ def _startup_summary(runtime: Runtime) -> None:
     status = runtime.coordinator.status()
     rates = ", ".join(f"{n}: {gbps:.1f} GB/s" for n, gbps in runtime.copy_rates.items())
     logger.info(
-        "blend matcher %s; coordinator %s; L2 %s; deployment %r; copy threads %d (%s); %s; %s",
+        "blend matcher %s; coordinator %s; L2 %s; deployment %r; copy threads %d (%s); %s; %s; %s",
         "on" if s.enable_blend else "off",
         f"{status.url} ({cluster.coordinator})" if status.url else "standalone",
         f"{runtime.l2.url} ({cluster.l2})" if runtime.l2 is not None else "off",
@@ -128,6 +128,7 @@ def _startup_summary(runtime: Runtime) -> None:
         f"measured {rates}" if rates else "--copy-threads",
         streaming.describe(os.environ),
         runtime.block_kernel,
+        runtime.key_chain,
     )
 
 

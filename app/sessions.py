@@ -145,7 +145,8 @@ class SessionManager:
                     self._drop(session)
                 session = Session(request_id, namespace, cache_salt, now)
             need = session_bytes(max(len(tokens), len(session.hashed_tokens)), size)
-            self._make_room(session, need, now)
+            if not self._fits(session, need):
+                self._make_room(session, need, now)
             if request_id not in self._sessions:
                 self._sessions[request_id] = session
             self._sessions.move_to_end(request_id)
@@ -165,7 +166,12 @@ class SessionManager:
         with self._lock:
             if len(keys) >= len(session.keys):
                 session.keys = keys
-                session.hashed_tokens = np.array(tokens[: len(keys) * size], dtype=TOKEN_DTYPE)
+                hashed = tokens[: len(keys) * size]
+                session.hashed_tokens = (
+                    hashed.copy()  # the caller's buffer may be reused
+                    if type(hashed) is np.ndarray and hashed.dtype == TOKEN_DTYPE
+                    else np.array(hashed, dtype=TOKEN_DTYPE)
+                )
             if self._sessions.get(request_id) is session:
                 kept = session_bytes(len(session.hashed_tokens), size)
                 self._bytes += kept - session.charged_bytes
@@ -183,23 +189,16 @@ class SessionManager:
                 request_id=session.request_id,
             )
 
-        def fits() -> bool:
-            # Re-read each time: expiry may have dropped ``session`` itself.
-            live = self._sessions.get(session.request_id) is session
-            have = session.charged_bytes if live else 0
-            count = len(self._sessions) + (0 if live else 1)
-            return self._bytes - have + need <= self._max_bytes and count <= self._max_sessions
-
-        if fits():
+        if self._fits(session, need):
             return
         self._expire_locked(now)
         idle_before = now - self._evict_idle_s
-        while not fits():
+        while not self._fits(session, need):
             oldest = next(iter(self._sessions.values()), None)
             if oldest is None or oldest is session or oldest.last_used > idle_before:
                 break
             self._drop(oldest)
-        if not fits():
+        if not self._fits(session, need):
             raise SessionsFull(
                 f"{len(self._sessions)} live sessions hold {self._bytes} bytes of token ids "
                 f"and keys (limits: {self._max_sessions} sessions, {self._max_bytes} "
@@ -209,6 +208,14 @@ class SessionManager:
                 sessions=len(self._sessions),
                 session_bytes=self._bytes,
             )
+
+    def _fits(self, session: Session, need: int) -> bool:
+        """``session`` holding ``need`` bytes fits the limits (under the lock). Read
+        afresh each time: expiry may have dropped ``session`` itself."""
+        live = self._sessions.get(session.request_id) is session
+        have = session.charged_bytes if live else 0
+        count = len(self._sessions) + (0 if live else 1)
+        return self._bytes - have + need <= self._max_bytes and count <= self._max_sessions
 
     def get(self, request_id: str) -> Session | None:
         with self._lock:

@@ -14,6 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from app import keychain
 from app.bindings import Binding, BindingPipeline
 from app.blend import BlendMatcher
 from app.bodies import BodyParser
@@ -77,6 +78,8 @@ class Runtime:
     """GB/s per thread count measured at start (empty when --copy-threads was given)."""
     block_kernel: str = "off"
     """How scattered blocks move, for the startup log (``_block_kernel``)."""
+    key_chain: str = "off"
+    """How chunk keys are hashed, for the startup log (``_key_chain``)."""
     closed: bool = field(default=False)
 
     @property
@@ -159,6 +162,16 @@ def _block_kernel(wanted: bool) -> tuple[blockcopy.BlockCopier | None, str]:
         logger.warning("scattered blocks move with numpy, slower: %s", exc)
         return None, f"scattered blocks by numpy ({exc})"
     return kernel, f"scattered blocks by the streaming kernel ({kernel.path})"
+
+
+def _key_chain() -> tuple[keychain.KeyChain | None, str]:
+    """The C loop for chunk keys (``app.keychain``) and a note for the log."""
+    try:
+        chain = keychain.load()
+    except keychain.KernelUnavailable as exc:
+        logger.warning("chunk keys are hashed in Python, slower: %s", exc)
+        return None, f"chunk keys in Python ({exc})"
+    return chain, f"chunk keys by the C loop ({chain.path})"
 
 
 def build_runtime(settings: Settings) -> Runtime:
@@ -295,7 +308,8 @@ def _assemble(
     pool: Pool,
     l2: L2Tier | None,
 ) -> Runtime:
-    hasher = TokenHasher(l2.seed if l2 is not None else None)
+    chain, chain_note = _key_chain()
+    hasher = TokenHasher(l2.seed if l2 is not None else None, chain=chain)
     sessions = SessionManager(
         hasher,
         settings.session_ttl_s,
@@ -370,6 +384,7 @@ def _assemble(
             l2=l2,
             copy_rates=copy_rates,
             block_kernel=kernel_note,
+            key_chain=chain_note,
         )
     except BaseException:
         gate.close()

@@ -270,18 +270,20 @@ class Pool:
         ranks = range(world_size)
         with self._lock:
             hits = 0
-            for key in keys:
-                if world_size == 1:  # the common case, without the per-rank loops
+            if world_size == 1:  # the common case, without the per-rank loops
+                for key in keys:
                     ident = (key, 0)
                     if ident not in index:
                         break
                     touch(ident)
-                else:
+                    hits += 1
+            else:
+                for key in keys:
                     if any((key, rank) not in index for rank in ranks):
                         break
                     for rank in ranks:
                         touch((key, rank))
-                hits += 1
+                    hits += 1
             if holder is not None and lease_ttl_s > 0 and hits:
                 deadline = self._clock() + lease_ttl_s
                 leased = keys[:hits]
