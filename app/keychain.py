@@ -50,6 +50,8 @@ class KeyChain:
     ) -> list[bytes]:
         """Keys of chunks ``start .. start + n - 1`` of ``tokens`` (C-contiguous),
         the chain going on from ``first`` (16 bytes), hashed with ``seed``."""
+        if len(first) != 16:  # the kernel reads 16 bytes from it
+            raise ValueError(f"a chain goes on from a 16-byte key, not {len(first)} bytes")
         return self._fn(self._xxh3, seed, first, tokens, chunk_bytes, start, n)
 
 

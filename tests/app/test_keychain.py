@@ -93,10 +93,12 @@ def test_threads_hashing_at_once_get_their_own_keys(chain: KeyChain) -> None:
         assert all(keys == expected[i] for keys in got)
 
 
-def test_chunks_past_the_end_are_refused(chain: KeyChain) -> None:
+def test_chunks_past_the_end_or_a_short_key_are_refused(chain: KeyChain) -> None:
     tokens = np.zeros(100, dtype="<i4")
     with pytest.raises(ValueError, match="past the end"):
         chain.keys(bytes(16), tokens, 64, 6, 2, SEED)  # 8 chunks of 16 ids in 100
+    with pytest.raises(ValueError, match="16-byte key"):
+        chain.keys(bytes(8), tokens, 64, 0, 1, SEED)
 
 
 def test_without_a_compiler_the_server_hashes_in_python_and_says_so(
