@@ -12,7 +12,10 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, TypeVar
 
 from app import keychain
 from app.bindings import Binding, BindingPipeline
@@ -34,6 +37,7 @@ from app.sessions import SessionManager
 from app.settings import Settings
 from app.telemetry import Telemetry
 from contract import __version__
+from contract.kernels import KernelUnavailable
 from contract.schemas import ClusterHealth, ClusterMember, ClusterResponse
 from contract.shm_naming import segment_name
 from dataplane import blockcopy
@@ -152,26 +156,37 @@ class Runtime:
             self.coordinator.leave()
 
 
+class _Kernel(Protocol):
+    @property
+    def path(self) -> Path: ...  # the library loaded
+
+
+_K = TypeVar("_K", bound=_Kernel)
+
+
+def _kernel(load: Callable[[], _K], fast: str, slow: str) -> tuple[_K | None, str]:
+    """A C kernel (``contract.kernels``) and a note for the log: ``fast`` and its
+    library, or ``slow`` and why (said as a warning too)."""
+    try:
+        kernel = load()
+    except KernelUnavailable as exc:
+        logger.warning("%s, slower: %s", slow, exc)
+        return None, f"{slow} ({exc})"
+    return kernel, f"{fast} ({kernel.path})"
+
+
 def _block_kernel(wanted: bool) -> tuple[blockcopy.BlockCopier | None, str]:
     """The streaming block kernel (``dataplane.blockcopy``) and a note for the log."""
     if not wanted:
         return None, "scattered blocks by numpy (--no-block-kernel)"
-    try:
-        kernel = blockcopy.load()
-    except blockcopy.KernelUnavailable as exc:
-        logger.warning("scattered blocks move with numpy, slower: %s", exc)
-        return None, f"scattered blocks by numpy ({exc})"
-    return kernel, f"scattered blocks by the streaming kernel ({kernel.path})"
+    return _kernel(
+        blockcopy.load, "scattered blocks by the streaming kernel", "scattered blocks by numpy"
+    )
 
 
 def _key_chain() -> tuple[keychain.KeyChain | None, str]:
     """The C loop for chunk keys (``app.keychain``) and a note for the log."""
-    try:
-        chain = keychain.load()
-    except keychain.KernelUnavailable as exc:
-        logger.warning("chunk keys are hashed in Python, slower: %s", exc)
-        return None, f"chunk keys in Python ({exc})"
-    return chain, f"chunk keys by the C loop ({chain.path})"
+    return _kernel(keychain.load, "chunk keys by the C loop", "chunk keys in Python")
 
 
 def build_runtime(settings: Settings) -> Runtime:

@@ -189,6 +189,23 @@ def require_redis_server() -> None:
         pytest.skip(message)
 
 
+def require_kernel(load: Callable[[], T], what: str) -> T:
+    """``load()``, a C kernel (``contract.kernels``); skips the calling test without
+    a C compiler (fails under CI, whose machines have one: a kernel that stopped
+    building must not go unseen)."""
+    import pytest
+
+    from contract.kernels import KernelUnavailable
+
+    try:
+        return load()
+    except KernelUnavailable as exc:
+        message = f"the {what} is unavailable: {exc}"
+        if os.environ.get("CI"):
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+
+
 def quick_connector_config(url: str, **overrides: Any) -> Any:
     """A connector config for one server that notices a dead server within a second:
     heartbeat every 0.2 s, 1 s ping timeout; ``overrides`` replace any field."""

@@ -9,7 +9,6 @@ this server without a compiler, compute them that way).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from app.hashing import TokenHasher
 from app.keychain import KeyChain
 from app.settings import Settings
 from app.state import build_runtime
+from tests.support import require_kernel
 
 SEED = 0x5EED_0F_C0FFEE
 
@@ -28,12 +28,7 @@ SEED = 0x5EED_0F_C0FFEE
 @pytest.fixture(scope="module")
 def chain() -> KeyChain:
     """The kernel; skips without a C compiler (fails under CI, whose machines have one)."""
-    try:
-        return keychain.load()
-    except keychain.KernelUnavailable as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"the key chain kernel is unavailable: {exc}", pytrace=False)
-        pytest.skip(f"the key chain kernel is unavailable: {exc}")
+    return require_kernel(keychain.load, "key chain kernel")
 
 
 def _pair(chain: KeyChain, size: int) -> tuple[TokenHasher, TokenHasher]:

@@ -18,7 +18,6 @@ from typing import Any
 from urllib.parse import unquote
 
 import numpy as np
-import pytest
 import torch
 from fastapi.testclient import TestClient
 
@@ -34,6 +33,7 @@ from contract.schemas import REGISTRATION_TOKEN_HEADER
 from contract.shm_naming import SHM_DIR
 from dataplane import blockcopy
 from dataplane.blockcopy import BlockCopier
+from tests.support import require_kernel
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "test-model|layout-v1|ws1"
@@ -434,9 +434,4 @@ def register_over(http: Any, body: dict[str, Any]) -> tuple[str, WorkerSocket]:
 def streaming_kernel() -> BlockCopier:
     """The streaming block kernel; skips without a C compiler (fails under CI,
     whose machines have one: a kernel that stopped building must not go unseen)."""
-    try:
-        return blockcopy.load()
-    except blockcopy.KernelUnavailable as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"the streaming block kernel is unavailable: {exc}", pytrace=False)
-        pytest.skip(f"the streaming block kernel is unavailable: {exc}")
+    return require_kernel(blockcopy.load, "streaming block kernel")
