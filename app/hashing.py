@@ -7,9 +7,9 @@ chunk size, so chunks of different namespaces, salts or chunk sizes never share 
 key. A partial trailing chunk gets no key. ``content_keys`` is the
 position-independent hash of one chunk's tokens (CacheBlend).
 
-**The loop.** Keys are hashed one chunk at a time in a C loop (``app.keychain``)
-where it builds and agrees with the Python loop below, which it replaces
-byte for byte.
+**The loop.** Where ``app.keychain``'s C loop builds and agrees with the Python
+loop below, the server hashes with it: the same keys, byte for byte, without the
+interpreter's work per chunk.
 
 **Which H.** A lookup hashes every chunk of the prompt, one short input (1 KiB for
 256 tokens, plus the 16-byte previous key) at a time, so the per-call cost of the

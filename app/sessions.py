@@ -145,8 +145,7 @@ class SessionManager:
                     self._drop(session)
                 session = Session(request_id, namespace, cache_salt, now)
             need = session_bytes(max(len(tokens), len(session.hashed_tokens)), size)
-            if not self._fits(session, need):
-                self._make_room(session, need, now)
+            self._make_room(session, need, now)
             if request_id not in self._sessions:
                 self._sessions[request_id] = session
             self._sessions.move_to_end(request_id)

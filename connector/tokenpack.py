@@ -51,10 +51,8 @@ def _direct_layout() -> str:
         return f"CPython {sys.version_info[0]}.{sys.version_info[1]} lays out ints otherwise"
     if hasattr(sys, "gettotalrefcount"):
         return "a debug build of CPython lays out objects otherwise"
-    if struct.calcsize("P") != 8 or (sys.int_info.bits_per_digit, sys.int_info.sizeof_digit) != (
-        30,
-        4,
-    ):
+    digits = (sys.int_info.bits_per_digit, sys.int_info.sizeof_digit)
+    if struct.calcsize("P") != 8 or digits != (30, 4):
         return "this CPython's ints are not 30-bit digits on 64-bit"
     return ""
 
@@ -115,7 +113,8 @@ def load() -> TokenPacker:
     # A kernel that loads but packs other bytes (an interpreter it was not meant
     # for) would make every lookup miss, silently: it must pack this first, from a
     # list and through a view of one (the direct path's two ways in), and from a
-    # tuple (the iterator's). Fresh ints: none of the interpreter's cached ones.
+    # tuple (the iterator's). Ints made afresh, as a tokenizer's are (CPython shares
+    # only those up to 256).
     values = [0, 1, 255, 256, 65535, 2**30 - 1, 2**30, 2**31 - 1, 123456789]
     probe = [int(str(v)) for v in values * NATIVE_MIN_TOKENS]
     expected = pack_range(probe, 0, len(probe))
