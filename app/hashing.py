@@ -132,7 +132,7 @@ class TokenHasher:
         """
         size = self.chunk_size
         if type(tokens) is np.ndarray and tokens.dtype == TOKEN_DTYPE and tokens.flags.c_contiguous:
-            arr = tokens  # a lookup's ids as they came (``_as_tokens`` costs ~1 us)
+            arr = tokens  # a lookup's ids as they came: no conversion call
         else:
             arr = _as_tokens(tokens)
         num_chunks = len(arr) // size

@@ -2,7 +2,7 @@
 
 The prefix chain ``key_i = XXH3-128(key_{i-1} || chunk i)`` is most of the server's
 own work in a lookup: in Python each chunk costs a slice, a concatenation, a call
-and an append around ~0.15 us of hashing. ``keychain.c`` runs that loop in C,
+and an append around a short hash. ``keychain.c`` runs that loop in C,
 calling python-xxhash's own ``XXH3_128bits_withSeed`` (found by address in its
 extension module), so the keys are those of the Python loop, byte for byte. On the
 2-core VM it hashes a 32k-token prompt (128 chunks) in about a third of the Python

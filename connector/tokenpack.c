@@ -98,24 +98,26 @@ static ptrdiff_t pack_iterated(PyObject *it, ptrdiff_t start, ptrdiff_t n, int32
     return i < 0 ? 0 : i;
 }
 
+/* The list seq is, or iterates (a fresh list iterator, as ConstantList's is); NULL
+ * for anything else. */
+static const ListHead *list_behind(PyObject *seq, PyObject *it) {
+    if (((Head *)seq)->ob_type == (void *)PyList_Type)
+        return (const ListHead *)seq;
+    const ListIterHead *li = (const ListIterHead *)it;
+    if (li->head.ob_type == (void *)PyListIter_Type && li->it_index == 0)
+        return li->it_seq; /* NULL once the iterator is exhausted */
+    return NULL;
+}
+
 ptrdiff_t mpcache_pack_tokens(PyObject *seq, ptrdiff_t start, ptrdiff_t n, PyObject *out,
                               int direct) {
     int32_t *dst = (int32_t *)PyByteArray_AsString(out);
+    PyObject *it = dst != NULL ? PyObject_GetIter(seq) : NULL;
     ptrdiff_t done = 0;
-    if (dst == NULL) {
-    } else if (direct && ((Head *)seq)->ob_type == (void *)PyList_Type) {
-        done = pack_list((ListHead *)seq, start, n, dst);
-    } else {
-        PyObject *it = PyObject_GetIter(seq);
-        if (it == NULL) {
-        } else if (direct && ((Head *)it)->ob_type == (void *)PyListIter_Type &&
-                   ((ListIterHead *)it)->it_seq != NULL && ((ListIterHead *)it)->it_index == 0) {
-            done = pack_list(((ListIterHead *)it)->it_seq, start, n, dst);
-        } else {
-            done = pack_iterated(it, start, n, dst);
-        }
-        if (it != NULL)
-            Py_DecRef(it);
+    if (it != NULL) {
+        const ListHead *list = direct ? list_behind(seq, it) : NULL;
+        done = list != NULL ? pack_list(list, start, n, dst) : pack_iterated(it, start, n, dst);
+        Py_DecRef(it);
     }
     PyErr_Clear();
     return done;
