@@ -211,12 +211,20 @@ class LookupBatch:
         self._started = time.perf_counter()
 
     def add(self, item: LookupTarget, tokens: np.ndarray) -> None:
-        result, hits, misses, rest = self._service._lookup_one(item, tokens, self._size)
-        if rest:
-            self._l2_candidates.append((len(self._results), item, rest))
-        self._results.append(result)
-        self._hits += hits
-        self._misses += misses
+        self.add_many([(item, tokens)])
+
+    def add_many(self, items: Sequence[tuple[LookupTarget, np.ndarray]]) -> None:
+        """Answer ``items`` in order (``add`` of each, with one hold of each lock)."""
+        for item, (result, hits, misses, rest) in zip(
+            (item for item, _ in items),
+            self._service._lookup_many(items, self._size),
+            strict=True,
+        ):
+            if rest:
+                self._l2_candidates.append((len(self._results), item, rest))
+            self._results.append(result)
+            self._hits += hits
+            self._misses += misses
 
     @property
     def needs_l2(self) -> bool:
@@ -513,8 +521,7 @@ class CacheService:
     def lookup_tokens(self, items: Sequence[tuple[LookupTarget, np.ndarray]]) -> LookupResponse:
         """Look up decoded items: each target with its int32 token ids."""
         batch = self.lookup_batch()
-        for item, tokens in items:
-            batch.add(item, tokens)
+        batch.add_many(items)
         if batch.needs_l2:
             batch.check_l2()
         return batch.finish()
@@ -523,23 +530,31 @@ class CacheService:
         """A lookup served item by item, as its items arrive (``LookupBatch``)."""
         return LookupBatch(self, self._size())
 
-    def _lookup_one(
-        self, item: LookupTarget, tokens: np.ndarray, size: int
-    ) -> tuple[LookupResult, int, int, list[bytes]]:
-        """One item's result, its hit and missed chunks, and the keys L2 may still hold."""
-        session, keys = self._sessions.keys_for(
-            item.request_id, item.namespace, item.cache_salt, tokens
+    def _lookup_many(
+        self, items: Sequence[tuple[LookupTarget, np.ndarray]], size: int
+    ) -> list[tuple[LookupResult, int, int, list[bytes]]]:
+        """Each item's result, its hit and missed chunks, and the keys L2 may still hold."""
+        opened = self._sessions.keys_for_many(
+            [(item.request_id, item.namespace, item.cache_salt, tokens) for item, tokens in items]
         )
-        hits = self.pool.lookup(
-            keys, item.world_size, holder=item.request_id, lease_ttl_s=self._lease_ttl_s
+        ttl = self._lease_ttl_s
+        hits_of = self.pool.lookup_many(
+            [
+                (keys, item.world_size, item.request_id)
+                for (item, _), (_, keys) in zip(items, opened, strict=True)
+            ],
+            lease_ttl_s=ttl,
         )
-        if hits and self._lease_ttl_s > 0:
-            session.holds_leases = True
-        # Validated: pydantic's model_construct runs in Python and costs twice as much
-        # (4.5 against 2 us).
-        result = LookupResult(request_id=item.request_id, hit_tokens=hits * size)
-        rest = keys[hits:] if self.l2 is not None and self.l2.up else []
-        return result, hits, len(keys) - hits, rest
+        l2 = self.l2 is not None and self.l2.up
+        out = []
+        for (item, _), (session, keys), hits in zip(items, opened, hits_of, strict=True):
+            if hits and ttl > 0:
+                session.holds_leases = True
+            # Validated: pydantic's model_construct runs in Python and costs twice as
+            # much (4.5 against 2 us).
+            result = LookupResult(request_id=item.request_id, hit_tokens=hits * size)
+            out.append((result, hits, len(keys) - hits, keys[hits:] if l2 else []))
+        return out
 
     # ------------------------------------------------------------------ L2
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -131,51 +131,83 @@ class SessionManager:
         Keys of a prefix already hashed for this session are reused; a session whose
         namespace, salt or earlier tokens differ starts over.
         """
+        return self.keys_for_many([(request_id, namespace, cache_salt, tokens)])[0]
+
+    def keys_for_many(
+        self, requests: Sequence[tuple[str, str, str | None, np.ndarray]]
+    ) -> list[tuple[Session, list[bytes]]]:
+        """``keys_for`` of each ``(request_id, namespace, cache_salt, tokens)``: the
+        sessions opened under one hold of the lock, hashed outside it, and their keys
+        kept under a second hold (a lookup call's items, as they arrive).
+
+        A request that cannot be given its session (``SessionsFull``,
+        ``InvalidRequest``) raises; the sessions of the requests before it are open.
+        """
         if self._chunk_size is None:
             raise NotNegotiated("no chunk size is bound yet; negotiate first (POST /negotiate)")
         size = self._chunk_size
         now = self._clock()
+        opened: list[tuple[Session, list[bytes], np.ndarray]] = []
         with self._lock:
-            session = self._sessions.get(request_id)
-            if session is None or (session.namespace, session.cache_salt) != (
-                namespace,
-                cache_salt,
-            ):
-                if session is not None:
-                    self._drop(session)
-                session = Session(request_id, namespace, cache_salt, now)
-            need = session_bytes(max(len(tokens), len(session.hashed_tokens)), size)
-            self._make_room(session, need, now)
-            if request_id not in self._sessions:
-                self._sessions[request_id] = session
-            self._sessions.move_to_end(request_id)
-            self._bytes += need - session.charged_bytes
-            session.charged_bytes = need
-            session.last_used = now
-            known = session.keys
-            seen = session.hashed_tokens
-        usable = min(len(seen), len(tokens)) // size * size
-        if usable and not np.array_equal(seen[:usable], tokens[:usable]):
-            # Same request id, different prompt: find how many whole chunks still agree.
-            agree = int(np.argmin(seen[:usable] == tokens[:usable]))
-            usable = agree // size * size
-        keys = self._hasher.prefix_keys(
-            namespace, cache_salt, tokens, known=known[: usable // size]
-        )
+            for request_id, namespace, cache_salt, tokens in requests:
+                opened.append(self._open(request_id, namespace, cache_salt, len(tokens), now))
+        out: list[tuple[Session, list[bytes]]] = []
+        for (session, known, seen), (_, namespace, cache_salt, tokens) in zip(
+            opened, requests, strict=True
+        ):
+            usable = min(len(seen), len(tokens)) // size * size
+            if usable and not np.array_equal(seen[:usable], tokens[:usable]):
+                # Same request id, different prompt: find how many whole chunks still agree.
+                agree = int(np.argmin(seen[:usable] == tokens[:usable]))
+                usable = agree // size * size
+            keys = self._hasher.prefix_keys(
+                namespace, cache_salt, tokens, known=known[: usable // size]
+            )
+            out.append((session, keys))
         with self._lock:
-            if len(keys) >= len(session.keys):
-                session.keys = keys
-                hashed = tokens[: len(keys) * size]
-                session.hashed_tokens = (
-                    hashed.copy()  # the caller's buffer may be reused
-                    if type(hashed) is np.ndarray and hashed.dtype == TOKEN_DTYPE
-                    else np.array(hashed, dtype=TOKEN_DTYPE)
-                )
-            if self._sessions.get(request_id) is session:
-                kept = session_bytes(len(session.hashed_tokens), size)
-                self._bytes += kept - session.charged_bytes
-                session.charged_bytes = kept
-        return session, keys
+            for (session, keys), (request_id, _, _, tokens) in zip(out, requests, strict=True):
+                self._keep(session, request_id, keys, tokens, size)
+        return out
+
+    def _open(
+        self, request_id: str, namespace: str, cache_salt: str | None, num_tokens: int, now: float
+    ) -> tuple[Session, list[bytes], np.ndarray]:
+        """(Under the lock) the request's session, opened or touched and charged for
+        ``num_tokens``, with its known keys and the tokens they were hashed from."""
+        size = self._chunk_size
+        assert size is not None
+        session = self._sessions.get(request_id)
+        if session is None or (session.namespace, session.cache_salt) != (namespace, cache_salt):
+            if session is not None:
+                self._drop(session)
+            session = Session(request_id, namespace, cache_salt, now, _NO_TOKENS, [])
+        need = session_bytes(max(num_tokens, len(session.hashed_tokens)), size)
+        self._make_room(session, need, now)
+        if request_id not in self._sessions:
+            self._sessions[request_id] = session
+        self._sessions.move_to_end(request_id)
+        self._bytes += need - session.charged_bytes
+        session.charged_bytes = need
+        session.last_used = now
+        return session, session.keys, session.hashed_tokens
+
+    def _keep(
+        self, session: Session, request_id: str, keys: list[bytes], tokens: np.ndarray, size: int
+    ) -> None:
+        """(Under the lock) remember ``keys`` and the tokens they hash, and charge the
+        session for what it keeps."""
+        if len(keys) >= len(session.keys):
+            session.keys = keys
+            hashed = tokens[: len(keys) * size]
+            session.hashed_tokens = (
+                hashed.copy()  # the caller's buffer may be reused
+                if type(hashed) is np.ndarray and hashed.dtype == TOKEN_DTYPE
+                else np.array(hashed, dtype=TOKEN_DTYPE)
+            )
+        if self._sessions.get(request_id) is session:
+            kept = session_bytes(len(session.hashed_tokens), size)
+            self._bytes += kept - session.charged_bytes
+            session.charged_bytes = kept
 
     def _make_room(self, session: Session, need: int, now: float) -> None:
         """Expire and evict (under the lock) until ``session`` fits with ``need`` bytes;

@@ -17,7 +17,9 @@ entries that are replaced stay readable until unpinned, so no reader sees a torn
 chunk.
 
 Leases are held per holder (a request id) with a deadline, so a lease that its
-session never released (a crashed client) lapses on its own.
+session never released (a crashed client) lapses on its own. A holder's leases share
+one deadline, which each of its lookups renews; per key the pool counts its holders,
+so a lookup leases its hits with a few calls into C, not a dict per key.
 
 Bounded eviction cost: one eviction passes over at most ``MAX_EVICTION_SCAN``
 entries it cannot evict (pinned or leased); those move to the most recently used
@@ -35,10 +37,11 @@ Thread-safe: one lock guards the index; copies run outside it. Callbacks
 from __future__ import annotations
 
 import bisect
+import heapq
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -155,6 +158,14 @@ class PoolStats:
 DropHook = Callable[[Sequence[Entry], DropReason], None]
 
 
+@dataclass(slots=True)
+class _Lease:
+    """One holder's leases: the keys, all until one deadline (renewed by a lookup)."""
+
+    deadline: float
+    keys: set[bytes]
+
+
 class Pool:
     """The L1 cache over one owned ``Segment`` (see the module docstring)."""
 
@@ -178,11 +189,16 @@ class Pool:
             segment.buffer, dtype=torch.uint8, count=self.capacity_bytes
         )
         self._alloc = PageAllocator(num_pages)
-        self._index: dict[tuple[bytes, int], Entry] = {}
+        # The visible entries, least recently used first: one mapping is both the
+        # index and the LRU order, so a hit costs one probe (``move_to_end``).
+        self._index: OrderedDict[tuple[bytes, int], Entry] = OrderedDict()
         self._pending: dict[tuple[bytes, int], Entry] = {}
-        self._lru: OrderedDict[tuple[bytes, int], Entry] = OrderedDict()
-        self._leases: dict[bytes, dict[str, float]] = {}
-        self._held: dict[str, set[bytes]] = {}
+        # Leases: each holder's record, and per key how many holders lease it. A
+        # heap of (deadline, holder) finds the lapsed ones (stale after a renewal or
+        # a release: skipped when popped).
+        self._held: dict[str, _Lease] = {}
+        self._leases: Counter[bytes] = Counter()
+        self._deadlines: list[tuple[float, str]] = []
         self._clock = clock
         self._lock = threading.Lock()
         self.on_drop = on_drop
@@ -226,10 +242,10 @@ class Pool:
                 return
             dropped = list(self._index.values())
             self._index.clear()
-            self._lru.clear()
             self._pending.clear()
             self._leases.clear()
             self._held.clear()
+            self._deadlines.clear()
             self._bytes = None
         self.segment.close()
         self._notify(dropped, "closed")
@@ -238,6 +254,7 @@ class Pool:
 
     def stats(self) -> PoolStats:
         with self._lock:
+            self._lapse(self._clock())  # leased_keys counts live leases only
             return PoolStats(
                 capacity_bytes=self.capacity_bytes,
                 used_bytes=(self._alloc.num_pages - self._alloc.free_pages) * self.page_size,
@@ -266,45 +283,83 @@ class Pool:
         Hits are marked recently used; with a ``holder`` they are also leased for
         ``lease_ttl_s`` seconds (until then they are not evicted).
         """
-        index, touch = self._index, self._lru.move_to_end
-        ranks = range(world_size)
+        return self.lookup_many([(keys, world_size, holder)], lease_ttl_s=lease_ttl_s)[0]
+
+    def lookup_many(
+        self,
+        requests: Sequence[tuple[Sequence[bytes], int, str | None]],
+        *,
+        lease_ttl_s: float = 0.0,
+    ) -> list[int]:
+        """``lookup`` of each ``(keys, world_size, holder)``, under one hold of the
+        lock and one reading of the clock (a lookup call's items, as they arrive)."""
+        index = self._index
+        touch = index.move_to_end  # KeyError: not cached (the index is the LRU order)
+        out: list[int] = []
         with self._lock:
-            hits = 0
-            if world_size == 1:  # the common case, without the per-rank loops
-                for key in keys:
-                    ident = (key, 0)
-                    if ident not in index:
-                        break
-                    touch(ident)
-                    hits += 1
-            else:
-                for key in keys:
-                    if any((key, rank) not in index for rank in ranks):
-                        break
-                    for rank in ranks:
-                        touch((key, rank))
-                    hits += 1
-            if holder is not None and lease_ttl_s > 0 and hits:
-                deadline = self._clock() + lease_ttl_s
-                leased = keys[:hits]
-                self._held.setdefault(holder, set()).update(leased)
-                leases = self._leases
-                for key in leased:
-                    holders = leases.get(key)
-                    if holders is None:
-                        leases[key] = {holder: deadline}
+            now = self._clock()
+            self._lapse(now)
+            for keys, world_size, holder in requests:
+                hits = 0
+                try:
+                    if world_size == 1:  # the common case, without the per-rank loop
+                        for key in keys:
+                            touch((key, 0))
+                            hits += 1
                     else:
-                        holders[holder] = deadline
-            return hits
+                        for key in keys:
+                            if any((key, rank) not in index for rank in range(world_size)):
+                                break
+                            for rank in range(world_size):
+                                touch((key, rank))
+                            hits += 1
+                except KeyError:
+                    pass
+                out.append(hits)
+                if holder is not None and lease_ttl_s > 0 and hits:
+                    self._lease(holder, keys[:hits], now + lease_ttl_s)
+        return out
+
+    def _lease(self, holder: str, keys: Sequence[bytes], deadline: float) -> None:
+        """(Under the lock) lease ``keys`` to ``holder`` until ``deadline``; a holder's
+        earlier leases are renewed to it."""
+        lease = self._held.get(holder)
+        if lease is None:
+            lease = self._held[holder] = _Lease(deadline, set(keys))
+            self._leases.update(lease.keys)
+        else:
+            fresh = set(keys)
+            fresh -= lease.keys
+            self._leases.update(fresh)
+            lease.keys |= fresh
+            lease.deadline = deadline
+        heapq.heappush(self._deadlines, (deadline, holder))
+
+    def _lapse(self, now: float) -> None:
+        """(Under the lock) release the leases whose deadline has passed."""
+        deadlines, held = self._deadlines, self._held
+        while deadlines and deadlines[0][0] <= now:
+            _, holder = heapq.heappop(deadlines)
+            lease = held.get(holder)
+            if lease is not None and lease.deadline <= now:
+                self._release(holder)
+
+    def _release(self, holder: str) -> None:
+        """(Under the lock) drop ``holder``'s leases."""
+        lease = self._held.pop(holder, None)
+        if lease is None:
+            return
+        leases = self._leases
+        for key in lease.keys:
+            left = leases[key] - 1
+            if left:
+                leases[key] = left
+            else:
+                leases.pop(key)  # dict's own (Counter's __delitem__ is Python code)
 
     def release_leases(self, holder: str) -> None:
         with self._lock:
-            for key in self._held.pop(holder, ()):
-                holders = self._leases.get(key)
-                if holders is not None:
-                    holders.pop(holder, None)
-                    if not holders:
-                        del self._leases[key]
+            self._release(holder)
 
     def pin(self, key: bytes, rank: int, layout: bytes, needed: int) -> Entry | None:
         """Pin a visible entry with this layout holding every slot in ``needed``.
@@ -316,7 +371,7 @@ class Pool:
             if entry is None or entry.layout != layout or needed & ~entry.present:
                 return None
             entry.pins += 1
-            self._lru.move_to_end((key, rank))
+            self._index.move_to_end((key, rank))
             return entry
 
     def unpin(self, entry: Entry) -> None:
@@ -361,7 +416,7 @@ class Pool:
                 or present == current.present
                 or current.present & ~present  # would lose a slot the cached entry has
             ):
-                self._lru.move_to_end(ident)
+                self._index.move_to_end(ident)
                 return PRESENT
             first_page = self._alloc.alloc(num_pages)
             if first_page is None and num_pages <= self._alloc.num_pages:
@@ -396,7 +451,6 @@ class Pool:
                 replaced.append(old)
             entry.ready = True
             self._index[ident] = entry
-            self._lru[ident] = entry
         self._notify(replaced, "replaced")
 
     def abort(self, entry: Entry) -> None:
@@ -411,26 +465,14 @@ class Pool:
     # ------------------------------------------------------------------ internals
 
     def _leased(self, key: bytes, now: float) -> bool:
-        holders = self._leases.get(key)
-        if not holders:
+        if key not in self._leases:
             return False
-        for holder, deadline in list(holders.items()):
-            if deadline <= now:
-                del holders[holder]
-                held = self._held.get(holder)
-                if held is not None:
-                    held.discard(key)
-                    if not held:
-                        del self._held[holder]
-        if not holders:
-            del self._leases[key]
-            return False
-        return True
+        self._lapse(now)
+        return key in self._leases
 
     def _detach(self, entry: Entry) -> None:
         ident = (entry.key, entry.rank)
         self._index.pop(ident, None)
-        self._lru.pop(ident, None)
         entry.live = False
         if entry.pins == 0:
             self._alloc.free(entry.first_page, entry.num_pages)
@@ -452,7 +494,7 @@ class Pool:
         freed: list[Entry] = []
         held: list[tuple[bytes, int]] = []
         run: tuple[int, int] | None = None
-        for ident, entry in self._lru.items():
+        for ident, entry in self._index.items():
             if entry.pins or self._leased(entry.key, now):
                 held.append(ident)
                 if len(held) == MAX_EVICTION_SCAN:
@@ -464,7 +506,7 @@ class Pool:
                 run = run_start, run_start + run_len
                 break
         for ident in held:  # the next eviction starts past them
-            self._lru.move_to_end(ident)
+            self._index.move_to_end(ident)
         if run is None:
             return None
         run_start, run_end = run

@@ -104,11 +104,15 @@ async def _lookup_frame(request: Request, runtime: Runtime) -> LookupResponse:
     reader = LookupFrameReader()
     try:
         async for chunk in request.stream():
+            inline: Items = []  # answered together, in order, before a large item
             for item, tokens in reader.feed(chunk):
                 if len(tokens) <= INLINE_LOOKUP_TOKENS:
-                    batch.add(item, tokens)
-                else:
-                    await run_in_threadpool(batch.add, item, tokens)
+                    inline.append((item, tokens))
+                    continue
+                batch.add_many(inline)
+                inline = []
+                await run_in_threadpool(batch.add, item, tokens)
+            batch.add_many(inline)
         reader.close()
     except ValidationError as exc:
         errors = [{**e, "loc": ("header", *e["loc"])} for e in exc.errors()]
@@ -175,8 +179,7 @@ async def lookup(request: Request, runtime: RuntimeDep) -> Response:
         req = await read_json(request, LookupRequest)
         if _num_tokens(req) <= INLINE_LOOKUP_TOKENS:
             batch = runtime.cache.lookup_batch()
-            for item, tokens in _lookup_items(req):
-                batch.add(item, tokens)
+            batch.add_many(_lookup_items(req))
             reply = await _finish(batch)
         else:
             reply = await run_in_threadpool(_serve_json_lookup, runtime, req)

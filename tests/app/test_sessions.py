@@ -101,3 +101,33 @@ def test_namespace_change_starts_a_new_session(manager: SessionManager) -> None:
     second, _ = manager.keys_for("r", "ns2", None, np.arange(4, dtype=np.int32))
     assert isinstance(second, Session) and second is not first
     assert manager.live_count() == 1
+
+
+def test_keys_for_many_gives_what_keys_for_gives(manager: SessionManager) -> None:
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 50_000, size=n, dtype=np.int32) for n in (3, 4, 9, 16)]
+    many = manager.keys_for_many(
+        [(f"r{i}", "ns", None, p) for i, p in enumerate(prompts)]
+        + [("r2", "ns", None, prompts[2])]  # the same request twice in one call
+    )
+    manager.end([f"r{i}" for i in range(4)])
+    one = [manager.keys_for(f"r{i}", "ns", None, p)[1] for i, p in enumerate(prompts)]
+    assert [keys for _, keys in many] == [*one, one[2]]
+    assert [len(keys) for keys in one] == [0, 1, 2, 4]
+    assert [session.request_id for session, _ in many] == ["r0", "r1", "r2", "r3", "r2"]
+    assert many[2][0] is many[4][0]
+
+
+def test_keys_for_many_stops_at_a_request_that_does_not_fit(
+    hasher: CountingHasher, clock: Clock
+) -> None:
+    from contract.errors import SessionsFull
+
+    manager = SessionManager(hasher, ttl_s=10.0, clock=clock, max_sessions=2)
+    manager.bind(4)
+    tokens = np.arange(8, dtype=np.int32)
+    with pytest.raises(SessionsFull):
+        manager.keys_for_many([(f"r{i}", "ns", None, tokens) for i in range(3)])
+    # The requests before it have their sessions; a retry of those is served.
+    assert manager.live_count() == 2
+    assert len(manager.keys_for("r1", "ns", None, tokens)[1]) == 2

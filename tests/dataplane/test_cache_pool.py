@@ -149,6 +149,87 @@ def test_release_leases_and_close(pool: Pool) -> None:
     assert not os.path.exists(f"/dev/shm/{name}")
 
 
+def _evicts(pool: Pool, key: bytes) -> list[bytes]:
+    """Store ``key`` into the full pool; the keys it evicted."""
+    dropped: list[bytes] = []
+    pool.on_drop = lambda entries, reason: dropped.extend(e.key for e in entries)
+    put(pool, key)
+    pool.on_drop = None
+    return dropped
+
+
+def test_lookup_many_answers_as_lookup_of_each(pool: Pool) -> None:
+    for key in (b"a", b"b", b"c"):
+        put(pool, key)
+    put(pool, b"d", rank=1)
+    asked = [([b"a", b"b", b"x", b"c"], 1, None), ([b"c", b"d"], 2, None), ([], 1, None)]
+    assert pool.lookup_many(asked) == [2, 0, 0]
+    assert pool.lookup_many([([b"d"], 1, None)]) == [0]  # rank 0 of d is not cached
+    assert [pool.lookup(keys, ws) for keys, ws, _ in asked] == [2, 0, 0]
+
+
+def test_lookup_many_leases_to_each_holder(pool: Pool) -> None:
+    for key in (b"a", b"b", b"c", b"d"):
+        put(pool, key)
+    hits = pool.lookup_many([([b"a"], 1, "r1"), ([b"b", b"x"], 1, "r2")], lease_ttl_s=10)
+    assert hits == [1, 1]
+    assert pool.stats().leased_keys == 2
+    # LRU order c, d, a, b: the leased a and b outlive every other entry.
+    assert [_evicts(pool, k) for k in (b"e", b"f", b"g")] == [[b"c"], [b"d"], [b"e"]]
+    pool.release_leases("r1")
+    assert pool.stats().leased_keys == 1
+
+
+def test_a_lookup_renews_every_lease_of_its_holder(pool: Pool, clock: FakeClock) -> None:
+    put(pool, b"a")
+    put(pool, b"b")
+    pool.lookup([b"a"], 1, holder="r", lease_ttl_s=10)
+    clock.now = 8
+    pool.lookup([b"b"], 1, holder="r", lease_ttl_s=10)  # a's lease now runs to 18 too
+    clock.now = 12
+    assert pool.stats().leased_keys == 2
+    clock.now = 18
+    assert pool.stats().leased_keys == 0
+
+
+def test_a_short_lease_lapses_behind_a_long_one(pool: Pool, clock: FakeClock) -> None:
+    put(pool, b"a")
+    put(pool, b"b")
+    pool.lookup([b"a"], 1, holder="long", lease_ttl_s=100)
+    pool.lookup([b"b"], 1, holder="short", lease_ttl_s=5)  # taken later, ends first
+    clock.now = 6
+    assert pool.stats().leased_keys == 1
+    put(pool, b"c")
+    put(pool, b"d")
+    assert _evicts(pool, b"e") == [b"b"]  # the oldest entry, b, is no longer leased
+
+
+def test_a_released_holder_that_leases_again_keeps_its_new_lease(
+    pool: Pool, clock: FakeClock
+) -> None:
+    put(pool, b"a")
+    pool.lookup([b"a"], 1, holder="r", lease_ttl_s=5)
+    pool.release_leases("r")
+    assert pool.stats().leased_keys == 0
+    clock.now = 3
+    pool.lookup([b"a"], 1, holder="r", lease_ttl_s=5)  # until 8
+    clock.now = 6  # the first lease's deadline (5) has passed, not this one's
+    assert pool.stats().leased_keys == 1
+    clock.now = 8
+    assert pool.stats().leased_keys == 0
+
+
+def test_two_holders_lease_one_key(pool: Pool) -> None:
+    put(pool, b"a")
+    pool.lookup_many([([b"a"], 1, "r1"), ([b"a"], 1, "r2")], lease_ttl_s=10)
+    assert pool.stats().leased_keys == 1
+    pool.release_leases("r1")
+    assert pool.stats().leased_keys == 1  # r2 still leases it
+    pool.release_leases("r2")
+    pool.release_leases("r2")  # twice: nothing more to release
+    assert pool.stats().leased_keys == 0
+
+
 @pytest.mark.parametrize("hold", ["pinned", "leased"])
 def test_eviction_that_cannot_make_room_evicts_nothing(
     pool: Pool, hold: str, clock: FakeClock

@@ -137,6 +137,38 @@ def test_binary_form_names_the_same_chunks_and_keeps_item_order(
     assert post_ok(client, "/cache/lookup", {"requests": [item]})["results"][0]["hit_tokens"] == 128
 
 
+def test_items_past_the_inline_size_keep_their_place(
+    make_client: ClientFactory, shm_kv: KVFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Items small enough are answered together on the event loop, larger ones one by
+    one in the thread pool: the reply keeps the frame's order either way."""
+    import app.routes.cache
+
+    monkeypatch.setattr(app.routes.cache, "INLINE_LOOKUP_TOKENS", 100)
+    client = make_client(chunk_size=64)
+    kv = shm_kv([vllm_layer("l0", 0, 16)])
+    post_ok(client, "/register", register_body(kv, "w", [(0, "attention", 16)], chunk_size=64))
+    tokens = random_tokens(128, seed=6)
+    store(client, "w", transfer_item("s", tokens, [list(range(1, 9))]))
+    other = random_tokens(128, seed=7)
+    items = [
+        ("small", tokens[:64]),
+        ("large", tokens),
+        ("small-miss", other[:70]),
+        ("small-half", tokens[:100]),
+        ("large-miss", other),
+    ]
+    reply = _post_frame(client, _frame(*items))
+    assert reply.status_code == 200, reply.text
+    assert [(r["request_id"], r["hit_tokens"]) for r in reply.json()["results"]] == [
+        ("small", 64),
+        ("large", 128),
+        ("small-miss", 0),
+        ("small-half", 64),
+        ("large-miss", 0),
+    ]
+
+
 def _refusals() -> list[Any]:
     tokens = np.arange(8, dtype=np.int32)
     good = _frame(("r", tokens))
