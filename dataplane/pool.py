@@ -56,6 +56,9 @@ logger = logging.getLogger(__name__)
 
 PRESENT: Final = "present"
 
+_STALE_DEADLINES: Final = 1024
+"""Stale lease deadlines the pool keeps before it rebuilds their heap."""
+
 MAX_EVICTION_SCAN: Final = 256
 """Most entries one eviction examines (see the module docstring)."""
 
@@ -333,7 +336,13 @@ class Pool:
             self._leases.update(fresh)
             lease.keys |= fresh
             lease.deadline = deadline
-        heapq.heappush(self._deadlines, (deadline, holder))
+        deadlines = self._deadlines
+        heapq.heappush(deadlines, (deadline, holder))
+        if len(deadlines) > 2 * len(self._held) + _STALE_DEADLINES:
+            # Renewals leave stale entries until their deadline: drop them now and
+            # then, so a long lease TTL with frequent renewals cannot grow the heap.
+            self._deadlines = [(lease.deadline, h) for h, lease in self._held.items()]
+            heapq.heapify(self._deadlines)
 
     def _lapse(self, now: float) -> None:
         """(Under the lock) release the leases whose deadline has passed."""
