@@ -39,6 +39,7 @@ from app.telemetry import MetricsEndpoint, RequestTimer
 from contract.schemas import (
     BlendMatchRequest,
     EndSessionsRequest,
+    LookupAreaRequest,
     LookupFrameHeader,
     LookupRequest,
     NegotiateRequest,
@@ -215,6 +216,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             RetrieveRequest,
             EndSessionsRequest,
             BlendMatchRequest,
+            LookupAreaRequest,
         ],
     )
     return app

@@ -30,6 +30,7 @@ from app.coordinator import (
 )
 from app.hashing import TokenHasher
 from app.l2 import L2Tier
+from app.lookup_areas import LookupAreas
 from app.negotiation import NegotiationPolicy
 from app.redis_io import RedisUnavailable, connect, ping, redacted
 from app.service import CacheService
@@ -76,6 +77,7 @@ class Runtime:
     cache: CacheService
     copier: CopyPool
     gate: FdGate
+    lookup_areas: LookupAreas
     parser: BodyParser = field(default_factory=BodyParser)
     l2: L2Tier | None = None
     copy_rates: dict[int, float] = field(default_factory=dict)
@@ -358,11 +360,19 @@ def _assemble(
     copier = CopyPool(threads, kernel)
     registry = Registry()
     socket_path = settings.register_socket or default_socket_path(settings.port)
+    areas: LookupAreas | None = None
+
+    def on_disconnect(conn_id: int) -> None:  # a client's socket connection closed
+        registry.release_connection(conn_id)
+        if areas is not None:
+            areas.release_connection(conn_id)
+
     gate = FdGate(
         socket_path,
-        on_disconnect=registry.release_connection,
+        on_disconnect=on_disconnect,
         owns_directory=settings.register_socket is None,
     )
+    areas = LookupAreas(gate)
     try:
         gate.start()
         cache = CacheService(
@@ -396,6 +406,7 @@ def _assemble(
             cache=cache,
             copier=copier,
             gate=gate,
+            lookup_areas=areas,
             l2=l2,
             copy_rates=copy_rates,
             block_kernel=kernel_note,

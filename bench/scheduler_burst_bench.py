@@ -25,9 +25,17 @@ Garbage collection in this process during a burst, in any thread, is reported on
 own row: a young collection walks every new request's token list (~3 ms for 64
 lists of 4k ids on the 2-core VM), in whichever thread's allocation triggers it.
 
+With one server on this host the connector writes the burst's token ids into a
+lookup area shared with the server and sends a mark per request
+(``connector/lookup_area.py``). Each round also runs the same burst through a
+second connector that sends the ids in the body (as against a server on another
+host), its order against the first alternating round by round; the last line is
+their ratio within each round. ``--no-lookup-area`` runs only the body form.
+
     .venv/bin/python bench/scheduler_burst_bench.py [--rounds 7] [--requests 64]
 
-Works against older adapters too (a synchronous lookup answers in the first step).
+With ``--no-lookup-area`` it runs against older adapters too (a synchronous lookup
+answers in the first step).
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import MIN_ROUNDS, Rounds, load_line
+from bench.common import MIN_ROUNDS, Rounds, load_line, summary
 from connector.alignment import layout_from_groups
 from connector.config import ConnectorConfig
 from connector.scheduler import SchedulerAdapter
@@ -57,6 +65,7 @@ BLOCK_SIZE = 16
 CHUNK = 256
 NAMESPACE = "bench@burst/ws1"
 POLL_S = 0.001
+BODY_ROW = "every request answered, ids in the body"
 KV_SHAPE = (
     2,
     BLOCK_SIZE,
@@ -256,12 +265,19 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--health-calls", type=int, default=20)
+    parser.add_argument(
+        "--lookup-area",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the connector's mpcache.lookup_area (--no-lookup-area: ids in the body)",
+    )
     args = parser.parse_args()
     rounds_n = max(MIN_ROUNDS, args.rounds)
     print(load_line())
     print(
         f"{args.requests} new requests of {args.tokens} tokens a burst (all chunks cached), "
-        f"chunk {CHUNK}; {rounds_n} rounds"
+        f"chunk {CHUNK}; {rounds_n} rounds; token ids "
+        + ("through a lookup area" if args.lookup_area else "in the body")
     )
     layout = layout_from_groups([_Group(_Spec(BLOCK_SIZE), ["l0"])])
     prompts = [_prompt(args.tokens, seed) for seed in range(args.requests)]
@@ -275,15 +291,30 @@ def main() -> None:
     ):
         http.post("/negotiate", json={"required_alignment": BLOCK_SIZE}).raise_for_status()
         _cache_prompts(http, prompts, args.tokens)
-        config = ConnectorConfig(server_urls=(url,), request_timeout_s=10, lookup_timeout_s=10)
+        # (lookup_area named only when off: older connectors take the default form)
+        off = {} if args.lookup_area else {"lookup_area": False}
+        common: dict[str, Any] = {"server_urls": (url,), "request_timeout_s": 10}
+        common["lookup_timeout_s"] = 10
         sched = SchedulerAdapter(
-            config,
-            layout,  # type: ignore[arg-type]
+            ConnectorConfig(**common, **off),
+            layout,
             model="bench",
             instance_id="bench",
             namespace=NAMESPACE,
             world_size=1,
         )
+        # With the lookup area on, a second connector sends the ids in the body: its
+        # burst runs in the same rounds (the two alternate which goes first).
+        plain = None
+        if args.lookup_area:
+            plain = SchedulerAdapter(
+                ConnectorConfig(**common, lookup_area=False),
+                layout,
+                model="bench",
+                instance_id="bench-body",
+                namespace=NAMESPACE,
+                world_size=1,
+            )
         # As vLLM's engine core does once its scheduler (and so this connector) is
         # built (vllm.utils.gc_utils.freeze_gc_heap): the startup heap is frozen, so a
         # full collection does not walk torch's and vLLM's objects.
@@ -292,13 +323,19 @@ def main() -> None:
         try:
             for r in range(-1, rounds_n):  # round -1 warms up
                 health = []
+                order = [(sched, "r"), (plain, "b")][:: 1 if r % 2 else -1]
+                at = {args.health_calls * (k + 1) // 3: pair for k, pair in enumerate(order)}
                 for i in range(args.health_calls):
                     begin = time.perf_counter()
                     http.get("/health").raise_for_status()
                     health.append((time.perf_counter() - begin) * 1e3)
-                    if i == args.health_calls // 2:  # the burst sits between /health calls
-                        requests = [new_request(f"r{r}-{j}", p) for j, p in enumerate(prompts)]
-                        figures = burst(sched, requests, expect)
+                    adapter, tag = at.get(i, (None, ""))
+                    if adapter is not None:  # each burst sits between /health calls
+                        requests = [new_request(f"{tag}{r}-{j}", p) for j, p in enumerate(prompts)]
+                        if tag == "r":
+                            figures = burst(adapter, requests, expect)
+                        else:
+                            body = burst(adapter, requests, expect)["every request answered"]
                 if r < 0:
                     continue
                 rounds.add("GET /health", statistics.median(health))
@@ -307,8 +344,12 @@ def main() -> None:
                         steps.append(value)
                     else:
                         rounds.add(name, value)
+                if plain is not None:
+                    rounds.add(BODY_ROW, body)
         finally:
             sched.shutdown()
+            if plain is not None:
+                plain.shutdown()
     print(load_line())
     print(
         rounds.table(
@@ -317,6 +358,7 @@ def main() -> None:
                 "first step",
                 "longest later step",
                 "every request answered",
+                *([BODY_ROW] if args.lookup_area else []),
                 "garbage collection in the burst",
             ],
             "GET /health",
@@ -326,6 +368,9 @@ def main() -> None:
         )
     )
     print(f"steps until every request was answered: {statistics.median(steps):.0f} (median)")
+    if args.lookup_area:
+        ratios = rounds.ratios("every request answered", BODY_ROW)
+        print(f"every request answered, lookup area / ids in the body: {summary(ratios)}")
 
 
 if __name__ == "__main__":

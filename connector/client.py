@@ -35,6 +35,8 @@ from contract.schemas import (
     EndSessionsRequest,
     EndSessionsResponse,
     HealthResponse,
+    LookupAreaRequest,
+    LookupAreaResponse,
     LookupRequest,
     LookupResponse,
     NegotiateRequest,
@@ -241,6 +243,16 @@ class ControlClient:
         """A lookup in the JSON form, or a binary frame (``contract.frames``), whole or
         as pieces (sent chunked as they are produced)."""
         return self._call_model("POST", "/cache/lookup", LookupResponse, body, timeout_s)
+
+    def register_lookup_area(
+        self, body: LookupAreaRequest, timeout_s: float | None = None
+    ) -> LookupAreaResponse:
+        return self._call_model("POST", "/cache/lookup-areas", LookupAreaResponse, body, timeout_s)
+
+    def delete_lookup_area(self, area_id: str, timeout_s: float | None = None) -> None:
+        self._call(
+            "DELETE", f"/cache/lookup-areas/{quote(area_id, safe='')}", None, None, timeout_s
+        )
 
     def store(
         self,

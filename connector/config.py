@@ -167,6 +167,9 @@ class ConnectorConfig(BaseModel):
     api_token: Annotated[str | None, BeforeValidator(_non_empty)] = Field(
         None, validation_alias=AliasChoices("mpcache.api_token"), repr=False
     )
+    lookup_area: bool = Field(True, validation_alias=AliasChoices("mpcache.lookup_area"))
+    """With one server: write lookups' token ids into a lookup area shared with it
+    (``connector.lookup_area``) rather than the body, where it can register one."""
 
 
 class _HostPort(BaseModel):

@@ -20,13 +20,24 @@ reads it as it arrives (``LookupFrameReader``; ``decode_lookup_frame`` for a who
 body) and refuses, with a ``ValueError`` naming the fault, a bad magic, a length
 that does not add up, or a negative token id (a header that does not validate
 raises pydantic's ``ValidationError``, itself a ``ValueError``).
+
+**With a lookup area** (the header's ``area``): the token ids are not in the body
+but in shared memory the client registered (``POST /cache/lookup-areas``), item
+after item from byte 0 as the token section would hold them, and the body carries
+one mark per item instead, its index as uint32 little-endian, written once the
+item's ids are in the area (``lookup_frame_marks``)::
+
+    8+H+P     4*N     the marks: 0, 1, ..., N-1 (N = the number of items)
+
+The reader copies the items' ids out of the area (``AreaFetch``) when their marks
+arrive, so what it hashes is what it keeps.
 """
 
 from __future__ import annotations
 
 import itertools
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -37,15 +48,22 @@ __all__ = [
     "LOOKUP_FRAME_MAGIC",
     "LOOKUP_FRAME_MEDIA_TYPE",
     "SEND_PIECE_BYTES",
+    "AreaFetch",
     "LookupFrameReader",
     "decode_lookup_frame",
     "encode_lookup_frame",
+    "lookup_frame_marks",
     "lookup_frame_parts",
 ]
 
 LOOKUP_FRAME_MEDIA_TYPE = "application/octet-stream"
 LOOKUP_FRAME_MAGIC = b"MPL1"
 _PREFIX = struct.Struct("<4sI")
+_MARK = struct.Struct("<I")
+
+AreaFetch = Callable[[str, int, int], np.ndarray]
+"""``fetch(area, offset_bytes, num_tokens)``: a copy of those int32 ids of the
+area (a reader with a lookup area calls it; it raises what the caller should)."""
 
 
 def _head(header: LookupFrameHeader) -> bytes:
@@ -87,6 +105,34 @@ def lookup_frame_parts(
         yield b"".join(gathered)
 
 
+def lookup_frame_marks(
+    header: LookupFrameHeader,
+    packed: Iterable[bytes],
+    write: Callable[[int, bytes], None],
+    *,
+    piece_bytes: int = 0,
+) -> Iterator[bytes]:
+    """The frame of ``header`` (which names an area) in pieces: each item's ids are
+    given to ``write(offset_bytes, ids)`` as ``packed`` yields them, and its mark
+    follows, gathered into a piece once ``piece_bytes`` of ids were written since the
+    last one (so the server works on item ``i`` while item ``i + 1`` is packed)."""
+    if header.area is None:
+        raise ValueError("a frame of marks needs a header that names its lookup area")
+    yield _head(header)
+    marks: list[bytes] = []
+    offset = written = 0
+    for index, blob in enumerate(_checked(header, packed)):
+        write(offset, blob)
+        offset += len(blob)
+        written += len(blob)
+        marks.append(_MARK.pack(index))
+        if written >= piece_bytes:
+            yield b"".join(marks)
+            marks, written = [], 0
+    if marks:
+        yield b"".join(marks)
+
+
 def _checked(header: LookupFrameHeader, packed: Iterable[bytes]) -> Iterator[bytes]:
     """``packed``, checked against the header's items one by one."""
     items = iter(header.requests)
@@ -114,7 +160,9 @@ class LookupFrameReader:
     validate: pydantic's ``ValidationError``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fetch: AreaFetch | None = None) -> None:
+        self._fetch = fetch
+        self._area_offset = 0  # where the next item's ids start in the area
         self._buf = bytearray()
         self._at = 0  # consumed bytes at the front of _buf
         self._received = 0
@@ -129,6 +177,8 @@ class LookupFrameReader:
         if self._header is None and not self._read_header():
             return []
         assert self._header is not None
+        if self._header.area is not None:
+            return self._feed_marks(self._header.area)
         items = self._header.requests
         # The items this call completes: one copy and one sign check for all of them,
         # not one per item.
@@ -152,6 +202,40 @@ class LookupFrameReader:
         if self._next == len(items) and len(self._buf) > self._at:
             self._fail_length()
         if self._at > len(self._buf) // 2:  # compact now and then, not per item
+            del self._buf[: self._at]
+            self._at = 0
+        return out
+
+    def _feed_marks(self, area: str) -> list[tuple[LookupFrameItem, np.ndarray]]:
+        """The items whose marks this call completes, their ids copied out of the area
+        in one piece (one fetch and one sign check for all of them, as for a body)."""
+        assert self._header is not None
+        if self._fetch is None:
+            raise ValueError("this reader takes no lookup area (the header names one)")
+        items = self._header.requests
+        first = self._next
+        count = min(len(items) - first, (len(self._buf) - self._at) // _MARK.size)
+        if count:
+            marks = np.frombuffer(self._buf, "<u4", count, self._at)
+            due = np.arange(first, first + count, dtype="<u4")
+            if not np.array_equal(marks, due):
+                at = int(np.flatnonzero(marks != due)[0])
+                raise ValueError(f"mark {marks[at]} where the mark of item {first + at} was due")
+            del marks  # the buffer is resized below: no view may be alive
+            self._at += count * _MARK.size
+            self._next += count
+        out: list[tuple[LookupFrameItem, np.ndarray]] = []
+        if count:
+            sizes = [item.num_tokens for item in items[first : self._next]]
+            tokens = check_tokens(self._fetch(area, self._area_offset, sum(sizes)))
+            self._area_offset += 4 * len(tokens)
+            start = 0
+            for item, size in zip(items[first : self._next], sizes, strict=True):
+                out.append((item, tokens[start : start + size]))
+                start += size
+        if self._next == len(items) and len(self._buf) > self._at:
+            self._fail_length()
+        if self._at > len(self._buf) // 2:
             del self._buf[: self._at]
             self._at = 0
         return out
@@ -189,6 +273,12 @@ class LookupFrameReader:
 
     def _fail_length(self) -> None:
         assert self._header is not None
+        if self._header.area is not None:
+            n = len(self._header.requests)
+            raise ValueError(
+                f"the frame names {n} items ({4 * n} bytes of marks) but its mark "
+                f"section holds {self._received - self._tokens_start} bytes"
+            )
         total = sum(item.num_tokens for item in self._header.requests)
         raise ValueError(
             f"the items name {total} tokens ({4 * total} bytes) but the token section "

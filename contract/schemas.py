@@ -63,6 +63,8 @@ __all__ = [
     "GroupInfo",
     "HealthResponse",
     "LayerInfo",
+    "LookupAreaRequest",
+    "LookupAreaResponse",
     "LookupFrameHeader",
     "LookupFrameItem",
     "LookupItem",
@@ -350,6 +352,7 @@ class HealthResponse(_Reply):
                     "uptime_s": 12.5,
                     "sessions": 3,
                     "registrations": 2,
+                    "lookup_areas": 1,
                     "version": "0.1.0",
                     "cluster": {
                         "mode": "standalone",
@@ -369,6 +372,9 @@ class HealthResponse(_Reply):
     uptime_s: float
     sessions: int = Field(description="Live cache sessions.")
     registrations: int = Field(description="Registered worker KV caches.")
+    lookup_areas: int = Field(
+        0, description="Registered lookup areas (`POST /cache/lookup-areas`)."
+    )
     version: str
     cluster: ClusterHealth | None = Field(
         None, description="Coordinator and L2 state (`GET /cluster` has the members)."
@@ -647,6 +653,41 @@ class LookupFrameHeader(_Body):
     )
 
     requests: list[LookupFrameItem] = Field(max_length=4096)
+    area: str | None = Field(
+        default=None,
+        max_length=64,
+        description="A lookup area of this connection's client (`POST "
+        "/cache/lookup-areas`) that holds the items' token ids, item after item from "
+        "byte 0, as the token section would; the body then carries, instead of the "
+        "ids, each item's index (uint32 little-endian) once its ids are written.",
+    )
+
+
+class LookupAreaRequest(_Body):
+    """Register a lookup area: a sealed memfd passed over the registration socket."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"ticket": "tk_Jx0r4QmS2w7c5bVd1Q9uEo3yHk8nLp6a"}]}
+    )
+
+    ticket: str = Field(
+        min_length=1,
+        max_length=128,
+        description="The ticket the registration socket (`GET /register`) gave for the "
+        "memfd, sealed against shrinking and growing.",
+    )
+
+
+class LookupAreaResponse(_Reply):
+    model_config = ConfigDict(
+        frozen=True,
+        json_schema_extra={
+            "examples": [{"area_id": "tE6FOSP9ON8cDMAnSMaIMCXP", "size_bytes": 4194304}]
+        },
+    )
+
+    area_id: str = Field(description="Name it as `area` in a binary lookup's header.")
+    size_bytes: int = Field(description="The area's size: its room for token ids is a quarter.")
 
 
 class LookupResult(_Reply):

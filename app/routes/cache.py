@@ -27,13 +27,15 @@ from app.deps import GUARDED, GUARDED_RESPONSES, ReceivedAtDep, RegistrationToke
 from app.problems import problem_doc
 from app.service import LookupBatch
 from app.state import Runtime
-from contract.errors import UnsupportedMediaType
+from contract.errors import NotFound, UnsupportedMediaType
 from contract.frames import LOOKUP_FRAME_MEDIA_TYPE, LookupFrameReader
 from contract.schemas import (
     BlendMatchRequest,
     BlendMatchResponse,
     EndSessionsRequest,
     EndSessionsResponse,
+    LookupAreaRequest,
+    LookupAreaResponse,
     LookupRequest,
     LookupResponse,
     LookupTarget,
@@ -101,7 +103,7 @@ async def _lookup_frame(request: Request, runtime: Runtime) -> LookupResponse:
     been served (sessions opened, hits leased: the connector's session end, or the
     lease's expiry, releases them)."""
     batch = runtime.cache.lookup_batch()  # 409 before the body is read
-    reader = LookupFrameReader()
+    reader = LookupFrameReader(runtime.lookup_areas.tokens)
     try:
         async for chunk in request.stream():
             inline: Items = []  # answered together, in order, before a large item
@@ -160,11 +162,13 @@ def _serve_json_lookup(runtime: Runtime, req: LookupRequest) -> LookupResponse:
         "for a short while so the retrieve that follows finds them. Tokens go as a JSON "
         "list, as `tokens_b64` (base64 of little-endian int32), or, most compactly, in "
         f"the binary form (`content-type: {LOOKUP_FRAME_MEDIA_TYPE}`), which the "
-        "connector sends."
+        "connector sends; a binary lookup may carry a mark per item instead of its "
+        "ids, written into a lookup area (`POST /cache/lookup-areas`)."
     ),
     responses={
         **GUARDED_RESPONSES,
         **_NOT_NEGOTIATED,
+        404: problem_doc("The lookup area the frame names is unknown: register one again"),
         415: problem_doc("A body that is neither JSON nor the binary form"),
         422: problem_doc("Malformed request"),
         503: problem_doc("Session memory full, or the body decoder restarted; retry"),
@@ -286,3 +290,44 @@ async def end(request: Request, runtime: RuntimeDep) -> EndSessionsResponse:
 async def blend_match(request: Request, runtime: RuntimeDep) -> BlendMatchResponse:
     body = await read_json(request, BlendMatchRequest)
     return await run_in_threadpool(runtime.cache.blend_match, body)
+
+
+@router.post(
+    "/lookup-areas",
+    dependencies=GUARDED,
+    response_model=LookupAreaResponse,
+    status_code=201,
+    summary="Register a lookup area: shared memory for lookups' token ids",
+    description=(
+        "A client on this host passes a memfd sealed against shrinking and growing "
+        "over the registration socket (`GET /register`) and names its ticket here. A "
+        "binary lookup whose header names the returned `area_id` carries a mark per "
+        "item instead of its token ids, which the client wrote into the area first "
+        "(contract/frames.py). The area lives as long as that socket connection, or "
+        "until `DELETE`."
+    ),
+    responses={
+        **GUARDED_RESPONSES,
+        **_JSON_ONLY,
+        422: problem_doc("Unknown or used ticket, unsealed memory, or a bad size"),
+        503: problem_doc("The body decoder restarted; retry"),
+    },
+    openapi_extra=json_body_doc(LookupAreaRequest),
+)
+async def register_lookup_area(request: Request, runtime: RuntimeDep) -> LookupAreaResponse:
+    body = await read_json(request, LookupAreaRequest)
+    area_id, size = runtime.lookup_areas.register(body.ticket)
+    return LookupAreaResponse(area_id=area_id, size_bytes=size)
+
+
+@router.delete(
+    "/lookup-areas/{area_id}",
+    dependencies=GUARDED,
+    status_code=204,
+    summary="Drop a lookup area",
+    responses={**GUARDED_RESPONSES, 404: problem_doc("No such lookup area")},
+)
+async def delete_lookup_area(area_id: str, runtime: RuntimeDep) -> Response:
+    if not runtime.lookup_areas.release(area_id):
+        raise NotFound("no such lookup area", area_id=area_id)
+    return Response(status_code=204)

@@ -89,6 +89,7 @@ async def health(runtime: RuntimeDep) -> HealthResponse:
         uptime_s=round(runtime.uptime_s, 3),
         sessions=runtime.sessions.live_count(),
         registrations=runtime.registry.count(),
+        lookup_areas=runtime.lookup_areas.count(),
         version=__version__,
         cluster=runtime.cluster_health(),
     )

@@ -50,6 +50,7 @@ HEALTH_REPLY = {
     "uptime_s": 1.5,
     "sessions": 0,
     "registrations": 1,
+    "lookup_areas": 1,
     "version": "0.1.0",
     "cluster": {"mode": "redis", "deployment": "d", "coordinator": "up", "l2": "down"},
 }

@@ -169,6 +169,7 @@ def test_known_keys_are_the_documented_ones() -> None:
         "mpcache.startup_timeout",
         "mpcache.instance_id",
         "mpcache.api_token",
+        "mpcache.lookup_area",
     }
     assert documented == KNOWN_KEYS
     readme = (ROOT / "README.md").read_text()

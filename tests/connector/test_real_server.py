@@ -24,7 +24,7 @@ from tests.connector.fakes import (
     StepOutput,
     ask,
 )
-from tests.support import server_process, wait_until
+from tests.support import free_port, server_process, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -39,10 +39,11 @@ def server() -> Iterator[str]:
         yield url
 
 
-def _config(url: str, **kw: float) -> ConnectorConfig:
+def _config(url: str, *, interval: float = 10.0, lookup_area: bool = True) -> ConnectorConfig:
     return ConnectorConfig(
         server_urls=(url,),
-        heartbeat_interval_s=kw.get("interval", 10.0),
+        lookup_area=lookup_area,
+        heartbeat_interval_s=interval,
         heartbeat_timeout_s=1.0,
         request_timeout_s=5.0,
         lookup_timeout_s=2.0,
@@ -50,12 +51,14 @@ def _config(url: str, **kw: float) -> ConnectorConfig:
     )
 
 
-def _pair(url: str, instance: str) -> tuple[SchedulerAdapter, WorkerAdapter]:
+def _pair(
+    url: str, instance: str, *, interval: float = 10.0
+) -> tuple[SchedulerAdapter, WorkerAdapter]:
     layout = layout_from_groups([Group(AttnSpec(BS), ["l0", "l1"])])
     common = {"model": "tiny", "instance_id": instance, "namespace": NS}
-    sched = SchedulerAdapter(_config(url), layout, world_size=1, **common)  # type: ignore[arg-type]
+    sched = SchedulerAdapter(_config(url, interval=interval), layout, world_size=1, **common)  # type: ignore[arg-type]
     worker = WorkerAdapter(
-        _config(url),
+        _config(url, interval=interval),
         layout,
         rank=0,
         world_size=1,
@@ -210,3 +213,80 @@ def test_a_registration_whose_reply_was_lost_is_retried_to_success(server: str) 
         assert _stored_chunks(server) == before + 1
     finally:
         worker.shutdown()
+
+
+def _lookup_areas(url: str) -> int:
+    return int(httpx.get(f"{url}/health", timeout=5.0).json()["lookup_areas"])
+
+
+def _store_prefix(worker: WorkerAdapter, request_id: str, prompt: list[int], n: int) -> None:
+    """Store the first ``n`` tokens of ``prompt`` (whole chunks of 64) from blocks 0..."""
+    op = TransferOp(request_id, 0, n, encode_tokens(prompt[:n]), [list(range(n // BS))])
+    worker.save(StepPlan(stores=(op,)))
+
+
+def test_lookups_through_the_lookup_area_answer_as_ids_in_the_body(server: str) -> None:
+    """The scheduler writes its lookups' ids into a lookup area shared with the
+    server (one mark per request on the wire); its answers are those of a scheduler
+    that sends the ids, and the area goes when the scheduler shuts down."""
+    before = _lookup_areas(server)
+    sched, worker = _pair(server, "area")
+    layout = layout_from_groups([Group(AttnSpec(BS), ["l0", "l1"])])
+    plain = SchedulerAdapter(
+        _config(server, lookup_area=False),
+        layout,
+        world_size=1,
+        model="tiny",
+        instance_id="area-plain",
+        namespace=NS,
+    )
+    try:
+        worker.register_kv_caches({n: torch.zeros(NUM_BLOCKS, 2, BS, 2, 8) for n in ("l0", "l1")})
+        prompt = [(i * 53) % 991 for i in range(150)]
+        _store_prefix(worker, "S", prompt, 128)
+        asks = {"full": prompt, "part": prompt[:100], "more": prompt + [7] * 80, "new": [3] * 150}
+        for adapter, tag in ((sched, "a"), (plain, "p")):
+            # One batch: every request is asked before the step ends.
+            requests = {k: FakeRequest(f"{tag}-{k}", list(v)) for k, v in asks.items()}
+            for r in requests.values():
+                assert adapter.get_num_new_matched_tokens(r, 0) == (None, False)
+            got = {k: ask(adapter, r) for k, r in requests.items()}
+            assert got == {
+                "full": (128, True),
+                "part": (64, True),
+                "more": (128, True),
+                "new": (0, False),
+            }, tag
+        assert _lookup_areas(server) == before + 1  # the area scheduler's, not the plain one
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+        plain.shutdown()
+    assert _lookup_areas(server) == before
+
+
+def test_after_a_server_restart_lookups_send_ids_then_register_a_new_area() -> None:
+    """A restarted server has forgotten the area: the lookup naming it is refused,
+    sent again with its ids in the body (the answer is still right), and the next
+    batch goes through a new area."""
+    port = free_port()
+    with server_process("--chunk-size", "64", port=port) as (url, proc):
+        sched, worker = _pair(url, "area-restart", interval=0.2)
+        assert ask(sched, FakeRequest("before", list(range(150)))) == (0, False)
+        assert _lookup_areas(url) == 1
+        proc.kill()
+        proc.wait(timeout=10)
+    try:
+        with server_process("--chunk-size", "64", port=port) as (url, _):
+            kv = {n: torch.zeros(NUM_BLOCKS, 2, BS, 2, 8) for n in ("l0", "l1")}
+            worker.register_kv_caches(kv)
+            wait_until(lambda: worker.available and sched.links[url].healthy, timeout_s=20)
+            assert _lookup_areas(url) == 0
+            prompt = [(i * 31) % 977 for i in range(150)]
+            _store_prefix(worker, "S", prompt, 128)
+            assert ask(sched, FakeRequest("after", list(prompt))) == (128, True)
+            assert ask(sched, FakeRequest("again", list(prompt))) == (128, True)
+            assert _lookup_areas(url) == 1
+    finally:
+        worker.shutdown()
+        sched.shutdown()

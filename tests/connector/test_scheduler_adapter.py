@@ -123,9 +123,29 @@ def test_negotiates_seed_sizes(
     server = FakeServer(min_chunk_size=minimum)
     adapter = make(adapters, server, spans=spans)
     assert adapter.chunk_size == chunk
-    assert server.paths() == ["POST /negotiate"]  # negotiation comes before anything
+    # Negotiation comes before anything (then, on the lookup thread, the lookup
+    # area's try: this fake server refuses it).
+    assert server.paths()[0] == "POST /negotiate"
+    assert "POST /cache/lookup" not in server.paths()
     assert server.calls[0][2]["required_alignment"] == adapter.alignment
     assert server.calls[0][2]["role"] == "scheduler"
+
+
+def test_a_server_that_refuses_lookup_areas_gets_the_ids_in_the_body(
+    adapters: list[SchedulerAdapter], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The lookup area is tried once at startup; refused (this fake has no such
+    route), lookups send the ids in the body, and it is not tried again per batch."""
+    caplog.set_level(logging.INFO, logger="mpcache.connector")
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server)
+    assert ask(adapter, FakeRequest("A", list(range(200)))) == (0, False)
+    assert ask(adapter, FakeRequest("B", list(range(300)))) == (0, False)
+    paths = server.paths()
+    assert paths.count("POST /cache/lookup-areas") == 1
+    assert paths.count("POST /cache/lookup") == 2  # the fake reads ids from the body
+    assert server.lookups() == [["A"], ["B"]]
+    assert "lookups send token ids in the body" in caplog.text
 
 
 def test_scratch_group_not_in_alignment(adapters: list[SchedulerAdapter]) -> None:

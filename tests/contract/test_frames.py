@@ -156,3 +156,100 @@ def test_reader_gives_the_same_items_however_the_body_is_cut(seed: int) -> None:
     extra = LookupFrameReader()
     with pytest.raises(ValueError, match="token section holds"):
         extra.feed(raw + b"\0\0\0\0")
+
+
+class _Area:
+    """A lookup area in a bytearray: what the client writes, what the server fetches."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.mem = bytearray(nbytes)
+        self.fetches: list[tuple[str, int, int]] = []
+
+    def write(self, offset: int, data: bytes) -> None:
+        self.mem[offset : offset + len(data)] = data
+
+    def fetch(self, area: str, offset: int, num_tokens: int) -> np.ndarray:
+        self.fetches.append((area, offset, num_tokens))
+        return np.frombuffer(self.mem, dtype="<i4", count=num_tokens, offset=offset).copy()
+
+
+def _area_header(*sizes: int) -> LookupFrameHeader:
+    return _header(*sizes).model_copy(update={"area": "a1"})
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_frame_of_marks_gives_the_items_the_area_holds(seed: int) -> None:
+    """With an area, the body carries a 4-byte mark per item; the reader gives each
+    item's ids from the area as its mark arrives, however the body is cut."""
+    from contract.frames import LookupFrameReader, lookup_frame_marks
+
+    rng = np.random.default_rng(seed)
+    sizes = [int(n) for n in rng.integers(0, 40, 10)]
+    tokens = [rng.integers(0, 2**31 - 1, n).tolist() for n in sizes]
+    area = _Area(4 * sum(sizes))
+    header = _area_header(*sizes)
+    parts = list(lookup_frame_marks(header, [pack_tokens(t) for t in tokens], area.write))
+    raw = b"".join(parts)
+    head = len(raw) - 4 * len(sizes)
+    assert raw[head:] == struct.pack(f"<{len(sizes)}I", *range(len(sizes)))
+    assert bytes(area.mem) == b"".join(pack_tokens(t) for t in tokens)
+    reader = LookupFrameReader(area.fetch)
+    seen: list[list[int]] = []
+    cuts = sorted({int(c) for c in rng.integers(0, len(raw), 15)} | {0, len(raw)})
+    for a, b in itertools.pairwise(cuts):
+        seen += [arr.tolist() for _, arr in reader.feed(raw[a:b])]
+    reader.close()
+    assert seen == tokens
+    # One fetch per piece that completed items, together covering the ids in order.
+    ends = [offset + 4 * n for _, offset, n in area.fetches]
+    assert [offset for _, offset, _ in area.fetches] == [0, *ends[:-1]]
+    assert ends[-1] == 4 * sum(sizes) and {name for name, _, _ in area.fetches} == {"a1"}
+
+
+def test_a_mark_is_written_only_after_its_ids_are_in_the_area() -> None:
+    """The server reads an item's ids when its mark arrives: every mark the sender
+    has yielded must follow the write of its item's ids."""
+    from contract.frames import lookup_frame_marks
+
+    blobs = [pack_tokens(list(range(n))) for n in (5, 3, 7, 40)]
+    written: list[int] = []
+
+    def write(offset: int, data: bytes) -> None:
+        written.append(offset)
+
+    marks_sent = 0
+    for i, piece in enumerate(lookup_frame_marks(_area_header(5, 3, 7, 40), blobs, write)):
+        if i:  # after the head: marks only for items already written
+            marks_sent += len(piece) // 4
+            assert marks_sent <= len(written)
+    assert marks_sent == 4 and written == [0, 20, 32, 60]
+    gathered = list(lookup_frame_marks(_area_header(5, 3, 7, 40), blobs, write, piece_bytes=10**6))
+    assert len(gathered) == 2  # the head, then every mark in one piece
+
+
+def test_a_frame_of_marks_refuses_what_does_not_add_up() -> None:
+    from contract.frames import LookupFrameReader, lookup_frame_marks
+
+    area = _Area(64)
+    blobs = [pack_tokens([1, 2]), pack_tokens([3])]
+    raw = b"".join(lookup_frame_marks(_area_header(2, 1), blobs, area.write))
+    head = raw[: len(raw) - 8]
+    with pytest.raises(ValueError, match="mark 1 where the mark of item 0 was due"):
+        LookupFrameReader(area.fetch).feed(head + struct.pack("<2I", 1, 0))
+    with pytest.raises(
+        ValueError, match=r"2 items \(8 bytes of marks\) but its mark section holds 12"
+    ):
+        LookupFrameReader(area.fetch).feed(raw + b"\0\0\0\0")
+    short = LookupFrameReader(area.fetch)
+    short.feed(raw[:-1])
+    with pytest.raises(ValueError, match="mark section holds 7 bytes"):
+        short.close()
+    with pytest.raises(ValueError, match="takes no lookup area"):
+        LookupFrameReader().feed(raw)
+    area.write(4, struct.pack("<i", -1))  # the client wrote a negative id after all
+    with pytest.raises(ValueError, match="negative token id"):
+        LookupFrameReader(area.fetch).feed(raw)
+    with pytest.raises(ValueError, match="names its lookup area"):
+        list(lookup_frame_marks(_header(2, 1), blobs, area.write))
+    with pytest.raises(ValueError, match="fewer token blobs"):
+        list(lookup_frame_marks(_area_header(2, 1), blobs[:1], area.write))
