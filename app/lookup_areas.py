@@ -28,13 +28,18 @@ from contract.errors import InvalidRequest, NotFound
 from contract.tokens import TOKEN_DTYPE
 from dataplane.fdgate import FdGate
 
-__all__ = ["MAX_AREAS", "MAX_AREA_BYTES", "LookupAreas"]
+__all__ = ["MAX_AREAS", "MAX_AREAS_PER_CONNECTION", "MAX_AREA_BYTES", "LookupAreas"]
 
 MAX_AREAS = 64
 """Areas the server keeps at once (one per scheduler-side connector)."""
 
-MAX_AREA_BYTES = 256 << 20
-"""The largest area (64M token ids)."""
+MAX_AREAS_PER_CONNECTION = 2
+"""Areas one socket connection may hold (a connector holds one), so one client
+cannot take every slot."""
+
+MAX_AREA_BYTES = 16 << 20
+"""The largest area (4M token ids): a lookup's ids are copied out on the event
+loop, and this bounds one copy (the connector's area is 4 MiB)."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,10 @@ class _Area:
 
 
 class LookupAreas:
-    """The registered areas; thread-safe (the gate's thread releases them too)."""
+    """The registered areas; thread-safe (the gate's thread releases them too).
+
+    Lock order: this object's lock, then the gate's (the gate calls
+    ``release_connection`` without holding its own)."""
 
     def __init__(self, gate: FdGate) -> None:
         self._gate = gate
@@ -68,10 +76,24 @@ class LookupAreas:
             memory.close()  # the view keeps the mapping
         area_id = secrets.token_urlsafe(18)
         with self._lock:
+            self._prune()
             if len(self._areas) >= MAX_AREAS:
                 raise InvalidRequest(
                     f"this server keeps {MAX_AREAS} lookup areas at most; DELETE unused ones",
                     areas=len(self._areas),
+                )
+            mine = sum(1 for area in self._areas.values() if area.conn_id == conn_id)
+            if mine >= MAX_AREAS_PER_CONNECTION:
+                raise InvalidRequest(
+                    f"one socket connection holds {MAX_AREAS_PER_CONNECTION} lookup areas "
+                    "at most; DELETE one first",
+                    areas=mine,
+                )
+            # The connection may have closed since the ticket was taken, and its
+            # release run already: then the area would never be released.
+            if not self._gate.alive(conn_id):
+                raise InvalidRequest(
+                    "the socket connection that passed this memfd has closed", reason="closed"
                 )
             self._areas[area_id] = _Area(view, conn_id)
         return area_id, size
@@ -80,7 +102,10 @@ class LookupAreas:
         """A copy of ``num_tokens`` ids at ``offset_bytes`` of the area."""
         with self._lock:
             area = self._areas.get(area_id)
-        if area is None or not self._gate.alive(area.conn_id):
+            if area is not None and not self._gate.alive(area.conn_id):
+                del self._areas[area_id]
+                area = None
+        if area is None:
             raise NotFound(
                 "no such lookup area: it was deleted, its client's socket connection "
                 "closed, or the server restarted; register one again",
@@ -106,4 +131,11 @@ class LookupAreas:
 
     def count(self) -> int:
         with self._lock:
+            self._prune()
             return len(self._areas)
+
+    def _prune(self) -> None:
+        """(Under the lock) drop areas whose connection has closed."""
+        alive = self._gate.alive
+        for area_id in [a for a, area in self._areas.items() if not alive(area.conn_id)]:
+            del self._areas[area_id]

@@ -249,11 +249,6 @@ class ControlClient:
     ) -> LookupAreaResponse:
         return self._call_model("POST", "/cache/lookup-areas", LookupAreaResponse, body, timeout_s)
 
-    def delete_lookup_area(self, area_id: str, timeout_s: float | None = None) -> None:
-        self._call(
-            "DELETE", f"/cache/lookup-areas/{quote(area_id, safe='')}", None, None, timeout_s
-        )
-
     def store(
         self,
         body: StoreRequest,

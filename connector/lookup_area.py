@@ -14,12 +14,13 @@ Where the server is on another host, has no socket this process can reach, or
 refuses the area, lookups simply keep the body form.
 
 Only the lookup thread writes the area, one batch at a time (a batch's marks are
-all sent before its reply comes, and the next batch starts after it).
+all sent before its reply comes, and the next batch starts after it). A batch whose
+call failed (a timeout, say) may still be read by the server, so the scheduler
+then closes that area, never writing it again, and registers a new one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import mmap
 import os
@@ -73,14 +74,12 @@ class LookupArea:
     def write(self, offset: int, data: bytes) -> None:
         self._map[offset : offset + len(data)] = data
 
-    def close(self, client: ControlClient | None = None) -> None:
-        """Drop the registration (best effort) and the memory. Idempotent."""
-        area_id, self.area_id = self.area_id, None
-        if client is not None and area_id is not None:
-            with contextlib.suppress(Exception):
-                client.delete_lookup_area(area_id)
+    def close(self) -> None:
+        """Close the socket connection (the server drops the area with it) and the
+        memory. Idempotent."""
+        self.area_id = None
         if self._channel is not None:
-            self._channel.close()  # the server also drops it when this closes
+            self._channel.close()
             self._channel = None
         if self.fd >= 0:
             self._map.close()

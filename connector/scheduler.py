@@ -52,6 +52,7 @@ planned; nothing here raises into vLLM, and every HTTP call has a short timeout.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -437,8 +438,7 @@ class SchedulerAdapter:
                 area = self._ready_area(4 * sum(p.end for p in batch))
                 lazily = (p.encoder.packed(p.tokens, p.end) for p in batch)
                 reply = self._lookup_on(url, ranks, batch, lazily, area)
-                if reply is _AREA_GONE:  # the server restarted: ids in the body again,
-                    self._area_retry_at = 0.0  # and a new area for the next batch
+                if reply is _AREA_GONE:  # the server restarted: ids in the body again
                     lazily = (p.encoder.packed(p.tokens, p.end) for p in batch)
                     reply = self._lookup_on(url, ranks, batch, lazily, None)
                 replies = [reply]
@@ -471,29 +471,41 @@ class SchedulerAdapter:
                     logger.debug("mpcache end of sessions on %s failed: %s", url, exc)
 
     def _setup_area(self) -> None:
-        """(On the lookup thread) create and register a lookup area, or say why not."""
+        """(On the lookup thread) create and register a lookup area, or say why not.
+        Never raises: without an area, lookups send the ids in the body."""
         ((url, _),) = self._lookup_ranks.items()
         self._area_retry_at = self._clock() + _AREA_RETRY_S
-        if self._area is not None:  # the server forgot it (it restarted)
-            self._area.close()
-            self._area = None
+        self._drop_area()
+        area: LookupArea | None = None
         try:
             area = LookupArea()
-        except ConnectorError as exc:
-            logger.info("mpcache scheduler: lookups send token ids in the body (%s)", exc)
-            return
-        try:
             area_id = area.register(self._lookup_clients[url])
-        except ConnectorError as exc:
-            area.close()
+        except Exception as exc:  # any failure leaves the body form
+            if area is not None:
+                area.close()
+            if isinstance(exc, ServerRejected) and exc.status in (404, 405):
+                self._area_retry_at = math.inf  # a server without lookup areas
             logger.info(
-                "mpcache scheduler: lookups send token ids in the body (no lookup area on %s: %s)",
+                "mpcache scheduler: lookups send token ids in the body (no lookup area "
+                "with %s: %s)",
                 url,
                 exc,
             )
             return
         self._area = area
         logger.info("mpcache scheduler: lookups write token ids into lookup area %s", area_id)
+
+    def _drop_area(self) -> None:
+        """Close the area; the server drops it when its socket connection closes."""
+        if self._area is not None:
+            self._area.close()
+            self._area = None
+
+    def _forget_area(self) -> None:
+        """After a failed lookup through the area: the server may still be reading
+        it, so it is never written again; the next batch registers a new one."""
+        self._drop_area()
+        self._area_retry_at = 0.0
 
     def _ready_area(self, nbytes: int) -> LookupArea | None:
         """The registered area if ``nbytes`` of ids fit it; after a failure or a
@@ -544,14 +556,21 @@ class SchedulerAdapter:
                     url=url,
                 )
         except ServerRejected as exc:
-            if area is not None and exc.status == 404:
-                area.area_id = None  # registered again after _AREA_RETRY_S
-                return _AREA_GONE
+            if area is not None:
+                self._forget_area()
+                if exc.status == 404:  # the server forgot the area (it restarted)
+                    return _AREA_GONE
             self._call_failed(self.links[url], "lookup", exc)
             return None
         except ServerError as exc:
+            if area is not None:
+                self._forget_area()
             self._call_failed(self.links[url], "lookup", exc)
             return None
+        except Exception:
+            if area is not None:
+                self._forget_area()
+            raise
         return reply
 
     # ------------------------------------------------------------- allocation
@@ -752,9 +771,7 @@ class SchedulerAdapter:
         # A batch in flight ends within lookup_timeout_s; queued ones are dropped.
         self._lookup_thread.shutdown(wait=True, cancel_futures=True)
         self._fan_out.shutdown(wait=True)
-        if self._area is not None:
-            ((url, _),) = self._lookup_ranks.items()
-            self._area.close(self._lookup_clients[url])
+        self._drop_area()  # the lookup thread has stopped: nothing writes it now
         self._close_clients()
 
     def _close_clients(self) -> None:

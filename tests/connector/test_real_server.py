@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import httpx
@@ -143,15 +144,16 @@ def _stored_chunks(url: str) -> float:
     return 0.0
 
 
-class _LosesFirstRegisterReply:
-    """Forwards every call to the real server, but the reply of the first
-    ``POST /register`` through it is lost (the register happened server-side)."""
+class _LosesFirstReply:
+    """Forwards every call to the real server, but the reply of the first ``POST``
+    to ``path`` through it is lost (the call was served server-side)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str) -> None:
+        self.path = path
         self.lost = 0
 
     def _lose(self, request: httpx.Request) -> bool:
-        if request.method == "POST" and request.url.path == "/register" and not self.lost:
+        if request.method == "POST" and request.url.path == self.path and not self.lost:
             self.lost += 1
             return True
         return False
@@ -187,7 +189,7 @@ def test_a_registration_whose_reply_was_lost_is_retried_to_success(server: str) 
     """A slow server can register a KV cache after the worker gave up waiting: the
     heartbeat's retry must then refresh that registration, not be refused as
     another client's (it would stay degraded for the rest of vLLM's life)."""
-    lossy = _LosesFirstRegisterReply()
+    lossy = _LosesFirstReply("/register")
     layout = layout_from_groups([Group(AttnSpec(BS), ["l0", "l1"])])
     worker = WorkerAdapter(
         _config(server, interval=0.05),
@@ -289,4 +291,34 @@ def test_after_a_server_restart_lookups_send_ids_then_register_a_new_area() -> N
             assert _lookup_areas(url) == 1
     finally:
         worker.shutdown()
+        sched.shutdown()
+
+
+def test_after_a_failed_lookup_through_the_area_the_next_batch_uses_a_new_one(
+    server: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lookup whose reply was lost may still be read by the server: the area it
+    used is never written again; once the server is healthy, a new area serves."""
+    caplog.set_level(logging.INFO, logger="mpcache.connector")
+    lossy = _LosesFirstReply("/cache/lookup")
+    layout = layout_from_groups([Group(AttnSpec(BS), ["l0", "l1"])])
+    sched = SchedulerAdapter(
+        _config(server, interval=0.05),
+        layout,
+        model="tiny",
+        instance_id="area-lossy",
+        namespace=NS,
+        world_size=1,
+        transport=lambda url: lossy.sync(),
+        async_transport=lambda url: lossy.asynchronous(),
+    )
+    try:
+        prompt = [(i * 71 + 5) % 983 for i in range(150)]  # stored by no other test
+        assert ask(sched, FakeRequest("A", prompt)) == (0, False)
+        assert lossy.lost == 1
+        wait_until(lambda: sched.links[server].healthy, timeout_s=10, what="recovery")
+        assert ask(sched, FakeRequest("B", list(prompt))) == (0, False)
+        registered = caplog.text.count("lookups write token ids into lookup area")
+        assert registered == 2, caplog.text
+    finally:
         sched.shutdown()

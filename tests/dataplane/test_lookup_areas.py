@@ -6,15 +6,19 @@ registration socket, as the scheduler-side connector does (``connector.lookup_ar
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import os
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 
+from contract.fdpass import F_ADD_SEALS, F_SEAL_GROW, F_SEAL_SHRINK
 from contract.frames import LOOKUP_FRAME_MEDIA_TYPE, encode_lookup_frame, lookup_frame_marks
 from contract.schemas import LookupFrameHeader, LookupFrameItem
 from contract.tokens import pack_tokens
+from dataplane.fdgate import SealedMemory
 from tests.dataplane.support import (
     NAMESPACE,
     CacheClient,
@@ -28,6 +32,7 @@ from tests.dataplane.support import (
     transfer_item,
     vllm_layer,
 )
+from tests.support import wait_until
 
 ClientFactory = Callable[..., CacheClient]
 AREA_BYTES = 64 << 10
@@ -113,6 +118,7 @@ def test_an_area_is_dropped_with_its_connection_or_on_delete(
     area = _register_area(client, fd, worker)
     assert _lookup(client, _marks_frame(fd, area, [tokens])) == [128]
     worker.close()  # the client went away: its area goes with its connection
+    wait_until(lambda: client.get("/health").json()["lookup_areas"] == 0)
     gone = _lookup(client, _marks_frame(fd, area, [tokens]))
     assert isinstance(gone, dict) and gone["status"] == 404
     assert "register one again" in str(gone["detail"])
@@ -153,11 +159,12 @@ def test_ids_past_the_area_or_a_bad_area_are_refused(
     assert reply.status_code == 422 and "unknown or already used" in reply.json()["detail"]
 
 
-def test_an_area_the_client_rewrites_changes_only_its_own_answers(
+def test_the_server_reads_the_ids_the_area_holds_when_the_lookup_comes(
     make_client: ClientFactory, shm_kv: KVFactory, memfds: list[int]
 ) -> None:
-    """The server copies an item's ids when its mark arrives: ids written later (or
-    garbage) never reach what it keeps; a negative id is refused like in a body."""
+    """The ids are read from the area when the lookup comes, not from the body (the
+    area was rewritten after the body was built): a negative id is refused like in
+    a body, and the area written again serves."""
     client, tokens = _stored(make_client, shm_kv)
     memfds.append(fd := sealed_memfd(AREA_BYTES))
     area = _register_area(client, fd)
@@ -166,3 +173,56 @@ def test_an_area_the_client_rewrites_changes_only_its_own_answers(
     bad = _lookup(client, body)
     assert isinstance(bad, dict) and bad["status"] == 422 and "negative" in str(bad["detail"])
     assert _lookup(client, _marks_frame(fd, area, [tokens])) == [128]
+
+
+def test_sizes_and_counts_of_areas_are_bounded(
+    make_client: ClientFactory, memfds: list[int]
+) -> None:
+    from app.lookup_areas import MAX_AREA_BYTES, MAX_AREAS_PER_CONNECTION
+
+    client = make_client(chunk_size=64)
+    memfds.append(tiny := sealed_memfd(2))
+    memfds.append(huge := os.memfd_create("huge", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING))
+    os.ftruncate(huge, MAX_AREA_BYTES + 4096)  # sparse: no memory behind it
+    fcntl.fcntl(huge, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW)
+    for fd in (tiny, huge):
+        (ticket,) = client.worker.tickets([fd])
+        reply = client.post("/cache/lookup-areas", json={"ticket": ticket})
+        assert reply.status_code == 422, reply.text
+        assert f"4 to {MAX_AREA_BYTES} bytes" in reply.json()["detail"]
+    for _ in range(MAX_AREAS_PER_CONNECTION):
+        memfds.append(fd := sealed_memfd(4096))
+        _register_area(client, fd)
+    memfds.append(fd := sealed_memfd(4096))
+    (ticket,) = client.worker.tickets([fd])
+    reply = client.post("/cache/lookup-areas", json={"ticket": ticket})
+    assert reply.status_code == 422 and "one socket connection holds" in reply.json()["detail"]
+    other = WorkerSocket(client.get("/register").json()["socket_path"])
+    try:  # another connection (another connector) still gets one
+        _register_area(client, fd, other)
+        assert client.get("/health").json()["lookup_areas"] == MAX_AREAS_PER_CONNECTION + 1
+    finally:
+        other.close()
+
+
+class _ClosedGate:
+    """A gate whose connection closed right after its ticket was taken."""
+
+    def take(self, tickets: list[str]) -> tuple[int, dict[str, SealedMemory]]:
+        buffer = ctypes.create_string_buffer(64)
+        return 7, {t: SealedMemory(buffer, 64) for t in tickets}
+
+    def alive(self, conn_id: int) -> bool:
+        return False
+
+
+def test_an_area_whose_connection_closed_while_registering_is_refused() -> None:
+    """The gate may release a connection between the ticket's redemption and the
+    area's entry: the area would then never be released; it is refused instead."""
+    from app.lookup_areas import LookupAreas
+    from contract.errors import InvalidRequest
+
+    areas = LookupAreas(_ClosedGate())  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="has closed"):
+        areas.register("t")
+    assert areas.count() == 0
