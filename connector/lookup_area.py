@@ -60,11 +60,11 @@ class LookupArea:
         self._channel: RegistrationChannel | None = None
 
     def register(self, client: ControlClient) -> str:
-        """Register with the server behind ``client``: the area's id there.
+        """Register with the server behind ``client`` (once): the area's id there.
         ``SegmentError`` or ``ServerError`` when it cannot be."""
-        self.area_id = None
-        if self._channel is None:
-            self._channel = RegistrationChannel(client.timeout_s)
+        if self._channel is not None:
+            raise RuntimeError("a lookup area is registered once")
+        self._channel = RegistrationChannel(client.timeout_s)
         info = client.registration_info()
         (ticket,) = self._channel.handshake(info.socket_path, [self.fd])
         reply = client.register_lookup_area(LookupAreaRequest(ticket=ticket))

@@ -95,8 +95,8 @@ _LATE_S = 1.0
 """Grace past ``lookup_timeout_s`` before a lookup that has not landed answers 0."""
 
 _AREA_RETRY_S = 30.0
-"""After a lookup area could not be registered (or the server forgot it), lookups
-send ids in the body for this long before the next try."""
+"""After a lookup area could not be registered, lookups send ids in the body for
+this long before the next try."""
 
 
 class _AreaGone:
@@ -508,16 +508,13 @@ class SchedulerAdapter:
         self._area_retry_at = 0.0
 
     def _ready_area(self, nbytes: int) -> LookupArea | None:
-        """The registered area if ``nbytes`` of ids fit it; after a failure or a
-        server restart, a new one is registered once ``_AREA_RETRY_S`` has passed."""
-        if (self._area is None or self._area.area_id is None) and (
-            self.config.lookup_area and self._clock() >= self._area_retry_at
-        ):
+        """The registered area if ``nbytes`` of ids fit it (registering one first
+        when there is none and its next try is due)."""
+        due = self._area is None and self._clock() >= self._area_retry_at
+        if due and self.config.lookup_area:
             self._setup_area()
         area = self._area
-        if area is None or area.area_id is None or nbytes > area.nbytes:
-            return None
-        return area
+        return area if area is not None and nbytes <= area.nbytes else None
 
     def _lookup_on(
         self,
