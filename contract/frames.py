@@ -193,17 +193,9 @@ class LookupFrameReader:
             end = self._at + 4 * total
             with memoryview(self._buf) as view:  # one copy (a bytearray slice is another)
                 raw = bytes(view[self._at : end])
-            tokens = check_tokens(np.frombuffer(raw, TOKEN_DTYPE))
             self._at = end
-            start = 0
-            for item, size in zip(items[first : self._next], sizes, strict=True):
-                out.append((item, tokens[start : start + size]))
-                start += size
-        if self._next == len(items) and len(self._buf) > self._at:
-            self._fail_length()
-        if self._at > len(self._buf) // 2:  # compact now and then, not per item
-            del self._buf[: self._at]
-            self._at = 0
+            out = self._split(first, sizes, check_tokens(np.frombuffer(raw, TOKEN_DTYPE)))
+        self._settle()
         return out
 
     def _feed_marks(self, area: str) -> list[tuple[LookupFrameItem, np.ndarray]]:
@@ -215,6 +207,7 @@ class LookupFrameReader:
         items = self._header.requests
         first = self._next
         count = min(len(items) - first, (len(self._buf) - self._at) // _MARK.size)
+        out: list[tuple[LookupFrameItem, np.ndarray]] = []
         if count:
             marks = np.frombuffer(self._buf, "<u4", count, self._at)
             due = np.arange(first, first + count, dtype="<u4")
@@ -224,21 +217,35 @@ class LookupFrameReader:
             del marks  # the buffer is resized below: no view may be alive
             self._at += count * _MARK.size
             self._next += count
-        out: list[tuple[LookupFrameItem, np.ndarray]] = []
-        if count:
             sizes = [item.num_tokens for item in items[first : self._next]]
             tokens = check_tokens(self._fetch(area, self._area_offset, sum(sizes)))
             self._area_offset += 4 * len(tokens)
-            start = 0
-            for item, size in zip(items[first : self._next], sizes, strict=True):
-                out.append((item, tokens[start : start + size]))
-                start += size
-        if self._next == len(items) and len(self._buf) > self._at:
+            out = self._split(first, sizes, tokens)
+        self._settle()
+        return out
+
+    def _split(
+        self, first: int, sizes: list[int], tokens: np.ndarray
+    ) -> list[tuple[LookupFrameItem, np.ndarray]]:
+        """Items ``first, first + 1, ...`` with their ``sizes[i]`` ids of ``tokens``."""
+        assert self._header is not None
+        items = self._header.requests[first : first + len(sizes)]
+        out = []
+        start = 0
+        for item, size in zip(items, sizes, strict=True):
+            out.append((item, tokens[start : start + size]))
+            start += size
+        return out
+
+    def _settle(self) -> None:
+        """After a feed: a fault if bytes follow the last item; the consumed front of
+        the buffer dropped now and then, not per item."""
+        assert self._header is not None
+        if self._next == len(self._header.requests) and len(self._buf) > self._at:
             self._fail_length()
         if self._at > len(self._buf) // 2:
             del self._buf[: self._at]
             self._at = 0
-        return out
 
     def close(self) -> None:
         """``ValueError`` unless the body held exactly the header and every item."""
