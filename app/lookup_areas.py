@@ -6,7 +6,7 @@ A client on this host can instead register an area (``POST /cache/lookup-areas``
 a memfd sealed against shrinking and growing, passed over the registration socket
 (``app.routes.register``, ``dataplane.fdgate``) like a KV cache. It writes each
 lookup's ids there and the lookup frame names the area (``contract.frames``); the
-server copies each item's ids out when the item's mark arrives, so a client that
+server copies the items' ids out when their marks arrive, so a client that
 rewrites its area meanwhile changes only its own answers, never what the server
 keeps or hashes later.
 
@@ -51,8 +51,11 @@ class _Area:
 class LookupAreas:
     """The registered areas; thread-safe (the gate's thread releases them too).
 
-    Lock order: this object's lock, then the gate's (the gate calls
-    ``release_connection`` without holding its own)."""
+    An area is entered only while its connection is alive, under this object's lock;
+    the gate drops a closed connection first and then calls ``release_connection``
+    (which takes this lock), so no area outlives its connection. Lock order: this
+    object's lock, then the gate's (the gate calls ``release_connection`` without
+    holding its own)."""
 
     def __init__(self, gate: FdGate) -> None:
         self._gate = gate
@@ -76,7 +79,6 @@ class LookupAreas:
             memory.close()  # the view keeps the mapping
         area_id = secrets.token_urlsafe(18)
         with self._lock:
-            self._prune()
             if len(self._areas) >= MAX_AREAS:
                 raise InvalidRequest(
                     f"this server keeps {MAX_AREAS} lookup areas at most; DELETE unused ones",
@@ -102,9 +104,6 @@ class LookupAreas:
         """A copy of ``num_tokens`` ids at ``offset_bytes`` of the area."""
         with self._lock:
             area = self._areas.get(area_id)
-            if area is not None and not self._gate.alive(area.conn_id):
-                del self._areas[area_id]
-                area = None
         if area is None:
             raise NotFound(
                 "no such lookup area: it was deleted, its client's socket connection "
@@ -131,11 +130,4 @@ class LookupAreas:
 
     def count(self) -> int:
         with self._lock:
-            self._prune()
             return len(self._areas)
-
-    def _prune(self) -> None:
-        """(Under the lock) drop areas whose connection has closed."""
-        alive = self._gate.alive
-        for area_id in [a for a, area in self._areas.items() if not alive(area.conn_id)]:
-            del self._areas[area_id]

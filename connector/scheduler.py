@@ -475,7 +475,6 @@ class SchedulerAdapter:
         Never raises: without an area, lookups send the ids in the body."""
         ((url, _),) = self._lookup_ranks.items()
         self._area_retry_at = self._clock() + _AREA_RETRY_S
-        self._drop_area()
         area: LookupArea | None = None
         try:
             area = LookupArea()
