@@ -136,11 +136,46 @@ def _default_headers(api_token: str | None) -> dict[str, str]:
     return {**_HEADERS, "authorization": f"Bearer {api_token}"}
 
 
-def _token_headers(body: Body, registration_token: str | None) -> dict[str, str] | None:
-    headers = _frame_headers(body)
-    if registration_token is None:
-        return headers
-    return {**(headers or {}), REGISTRATION_TOKEN_HEADER: registration_token}
+class _Requests:
+    """Each call's ``httpx.Request``, from parts its client's settings give once: the
+    URL of each path, the headers of each kind of body, the timeout of each value.
+
+    ``Client.request`` parses and merges the base URL, the headers and the timeout
+    anew on every call, on the scheduler's lookup thread before a lookup's first
+    byte; ``send`` of a request built here does the rest as before (transport,
+    proxies, cookies, hooks).
+    """
+
+    def __init__(self, base_url: str, http: httpx.Client | httpx.AsyncClient) -> None:
+        self._base_url = base_url
+        self._timeout = http.timeout.as_dict()
+        self._headers = {False: http.headers, True: http.headers.copy()}
+        self._headers[True].update(_FRAME_HEADERS)  # a binary lookup frame
+        self._urls: dict[str, httpx.URL] = {}
+        self._timeouts: dict[float, dict[str, float | None]] = {}
+
+    def build(
+        self,
+        method: str,
+        path: str,
+        body: Body,
+        timeout_s: float | None,
+        registration_token: str | None,
+    ) -> httpx.Request:
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = httpx.URL(f"{self._base_url}{path}")
+        headers = self._headers[_frame_headers(body) is not None]
+        if registration_token is not None:
+            headers = headers.copy()
+            headers[REGISTRATION_TOKEN_HEADER] = registration_token
+        timeout = self._timeout
+        if timeout_s is not None:
+            timeout = self._timeouts.get(timeout_s) or httpx.Timeout(timeout_s).as_dict()
+            self._timeouts[timeout_s] = timeout
+        return httpx.Request(
+            method, url, headers=headers, content=_content(body), extensions={"timeout": timeout}
+        )
 
 
 class ControlClient:
@@ -162,6 +197,7 @@ class ControlClient:
             transport=transport,
             headers=_default_headers(api_token),
         )
+        self._requests = _Requests(self.base_url, self._http)
 
     def close(self) -> None:
         self._http.close()
@@ -177,13 +213,8 @@ class ControlClient:
     ) -> _M | None:
         url = f"{self.base_url}{path}"
         with _translate(url):
-            reply = self._http.request(
-                method,
-                path,
-                content=_content(body),
-                headers=_token_headers(body, registration_token),
-                timeout=self.timeout_s if timeout_s is None else timeout_s,
-            )
+            request = self._requests.build(method, path, body, timeout_s, registration_token)
+            reply = self._http.send(request)
         return _parse_reply(reply, model, url)
 
     def _call_model(
@@ -296,6 +327,7 @@ class AsyncControlClient:
             transport=transport,
             headers=_default_headers(api_token),
         )
+        self._requests = _Requests(self.base_url, self._http)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -311,13 +343,8 @@ class AsyncControlClient:
     ) -> _M | None:
         url = f"{self.base_url}{path}"
         with _translate(url):
-            reply = await self._http.request(
-                method,
-                path,
-                content=_content(body),
-                headers=_token_headers(body, registration_token),
-                timeout=self.timeout_s if timeout_s is None else timeout_s,
-            )
+            request = self._requests.build(method, path, body, timeout_s, registration_token)
+            reply = await self._http.send(request)
         return _parse_reply(reply, model, url)
 
     async def _call_model(

@@ -20,6 +20,7 @@ from connector.errors import (
     ServerUnreachable,
 )
 from contract.schemas import (
+    REGISTRATION_TOKEN_HEADER,
     EndSessionsRequest,
     GroupInfo,
     LayerInfo,
@@ -422,3 +423,76 @@ async def test_async_errors(
                 await _async_call(client, path)
     finally:
         await client.aclose()
+
+
+def test_every_call_carries_the_client_headers_and_its_own() -> None:
+    """Requests are built from parts made once per client: the API token and the
+    JSON headers go on every call, the frame's media type only on a binary lookup,
+    the registration token only on the call given one, and a timeout override only
+    on its own call."""
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        for _ in request.stream:  # a chunked frame is read to its end
+            pass
+        seen.append(request)
+        if request.url.path == "/cache/lookup":
+            return httpx.Response(200, json={"results": []})
+        if request.url.path == "/cache/end":
+            return httpx.Response(200, json={"ended": 0})
+        return httpx.Response(200, json=HEALTH_REPLY)
+
+    c = ControlClient(URL, timeout_s=2, transport=httpx.MockTransport(handler), api_token="s3cret")
+    try:
+        c.lookup(iter([b"MPL1", b"\x00" * 4]))
+        c.health(timeout_s=0.25)
+        c.end_sessions(EndSessionsRequest(request_ids=["a"]))
+        c.lookup(iter([b"MPL1", b"\x00" * 4]), timeout_s=0.25)
+        c.health()
+    finally:
+        c.close()
+    assert [r.headers["authorization"] for r in seen] == ["Bearer s3cret"] * 5
+    kinds = [r.headers["content-type"] for r in seen if r.method == "POST"]
+    assert kinds == ["application/octet-stream", "application/json", "application/octet-stream"]
+    assert [r.extensions["timeout"]["read"] for r in seen] == [2, 0.25, 2, 0.25, 2]
+    assert all(str(r.url).startswith(f"{URL}/") for r in seen)
+
+
+def test_registration_token_goes_only_with_its_call() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.method == "DELETE":
+            return httpx.Response(204)
+        return httpx.Response(200, json=HEALTH_REPLY)
+
+    c = ControlClient(URL, timeout_s=1, transport=httpx.MockTransport(handler))
+    try:
+        c.unregister("eng", 0, registration_token="tok-1")
+        c.health()
+        c.unregister("eng", 1)
+    finally:
+        c.close()
+    header = REGISTRATION_TOKEN_HEADER
+    assert [r.headers.get(header) for r in seen] == ["tok-1", None, None]
+
+
+@pytest.mark.anyio
+async def test_async_calls_carry_the_client_headers() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json=HEALTH_REPLY)
+
+    client = AsyncControlClient(
+        URL, timeout_s=0.5, transport=httpx.MockTransport(handler), api_token="s3cret"
+    )
+    try:
+        await client.health()
+        await client.health(timeout_s=0.125)
+    finally:
+        await client.aclose()
+    assert [r.headers["authorization"] for r in seen] == ["Bearer s3cret"] * 2
+    assert [r.extensions["timeout"]["read"] for r in seen] == [0.5, 0.125]
