@@ -51,6 +51,7 @@ bench: venv
 	$(PY) bench/lookup_heap_bench.py
 	$(PY) bench/gc_pause_bench.py
 	$(PY) bench/l2_bench.py
+	$(PY) bench/client_call_bench.py
 
 clean:
 	rm -f $(VENV) .venv-e2e
