@@ -263,7 +263,7 @@ class CacheClient(TestClient):
             self._worker.close()
             self._worker = None
 
-    def request(self, method: str, url: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def request(self, method: str, url: Any, **kwargs: Any) -> Any:
         path = str(url)
         body = kwargs.get("json")
         key: tuple[str, int] | None = None
