@@ -7,8 +7,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from contract.errors import MPCacheError, Unavailable
@@ -19,6 +20,10 @@ __all__ = ["PROBLEM_MEDIA_TYPE", "install_error_handlers", "problem_doc", "probl
 logger = logging.getLogger(__name__)
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
+
+CLIENT_CLOSED_REQUEST = 499
+"""The status recorded (``mpcache_http_request_duration_seconds``) for a request whose
+client closed its connection before the body was read whole; nothing is sent."""
 
 FASTAPI_BODY_ERROR = "There was an error parsing the body"
 """The detail of the 400 FastAPI raises when it cannot decode a body it parses."""
@@ -113,6 +118,16 @@ def install_error_handlers(app: FastAPI) -> None:
             headers,
         )
 
+    async def on_disconnect(request: Request, exc: Exception) -> Response:
+        # A client that gives up (a connector's lookup timeout) while its body is in
+        # flight: the request is dropped, as it stood. One line, no traceback.
+        logger.warning(
+            "client closed the connection before its %s %s was read whole; dropped",
+            request.method,
+            request.url.path,
+        )
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error", exc_info=exc)
         return problem_response(
@@ -122,4 +137,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(MPCacheError, on_domain)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(ClientDisconnect, on_disconnect)
     app.add_exception_handler(Exception, on_unexpected)

@@ -326,8 +326,9 @@ def test_two_nodes_engine_on_b_loads_what_engine_on_a_stored(
             served = node_b.call("generate", "on B")
             tries_on_b = 1
             if served["num_cached_tokens"] == 0 and went_degraded(node_b):
-                # The first lookup of a new engine timed out (seen once, on a machine
-                # just booted): the connector recovers, and the next pass loads.
+                # The first lookup of a new engine timed out (seen in two of about
+                # twenty clean-clone CI runs): the connector recovers, and the next
+                # pass loads.
                 wait_until(lambda: "healthy again" in node_b.log_path.read_text(errors="replace"))
                 served = node_b.call("generate", "on B, again")
                 tries_on_b = 2
@@ -339,6 +340,10 @@ def test_two_nodes_engine_on_b_loads_what_engine_on_a_stored(
         assert stored["num_cached_tokens"] == 0
         assert served["num_cached_tokens"] == CACHED_PREFIX
         assert stored["token_ids"] == served["token_ids"] == baseline
-        # Each lookup on B found the prefix in L2 (a timed-out one too: it was served).
-        assert samples.get("mpcache_chunks_l2_hit_total") == NUM_CHUNKS * tries_on_b
+        # Each lookup on B that the server served found the prefix in L2. A timed-out
+        # one may not have been served: its client gave up, and a server still reading
+        # its body then drops it (the e2e engines share the machine's 2 cores, so a
+        # first lookup can wait past the connector's 1 s for CPU).
+        l2_hits = samples.get("mpcache_chunks_l2_hit_total", 0.0)
+        assert l2_hits in {NUM_CHUNKS * n for n in range(1, tries_on_b + 1)}
         assert samples.get('mpcache_l2_reads_total{outcome="hit"}') == NUM_CHUNKS
