@@ -551,22 +551,15 @@ class SchedulerAdapter:
                     f"{url}: {len(reply.results)} lookup results for {len(batch)} requests",
                     url=url,
                 )
-        except ServerRejected as exc:
-            if area is not None:
+        except Exception as exc:
+            if area is not None:  # whatever failed, the server may still read it
                 self._forget_area()
-                if exc.status == 404:  # the server forgot the area (it restarted)
-                    return _AREA_GONE
+                if isinstance(exc, ServerRejected) and exc.status == 404:
+                    return _AREA_GONE  # the server forgot the area (it restarted)
+            if not isinstance(exc, ServerError):
+                raise
             self._call_failed(self.links[url], "lookup", exc)
             return None
-        except ServerError as exc:
-            if area is not None:
-                self._forget_area()
-            self._call_failed(self.links[url], "lookup", exc)
-            return None
-        except Exception:
-            if area is not None:
-                self._forget_area()
-            raise
         return reply
 
     # ------------------------------------------------------------- allocation
