@@ -291,30 +291,24 @@ def main() -> None:
     ):
         http.post("/negotiate", json={"required_alignment": BLOCK_SIZE}).raise_for_status()
         _cache_prompts(http, prompts, args.tokens)
-        # (lookup_area named only when off: older connectors take the default form)
-        off = {} if args.lookup_area else {"lookup_area": False}
-        common: dict[str, Any] = {"server_urls": (url,), "request_timeout_s": 10}
-        common["lookup_timeout_s"] = 10
-        sched = SchedulerAdapter(
-            ConnectorConfig(**common, **off),
-            layout,
-            model="bench",
-            instance_id="bench",
-            namespace=NAMESPACE,
-            world_size=1,
-        )
-        # With the lookup area on, a second connector sends the ids in the body: its
-        # burst runs in the same rounds (the two alternate which goes first).
-        plain = None
-        if args.lookup_area:
-            plain = SchedulerAdapter(
-                ConnectorConfig(**common, lookup_area=False),
+
+        def connector(instance_id: str, **config: Any) -> SchedulerAdapter:
+            return SchedulerAdapter(
+                ConnectorConfig(
+                    server_urls=(url,), request_timeout_s=10, lookup_timeout_s=10, **config
+                ),
                 layout,
                 model="bench",
-                instance_id="bench-body",
+                instance_id=instance_id,
                 namespace=NAMESPACE,
                 world_size=1,
             )
+
+        # (lookup_area named only when off: older connectors take the default form)
+        sched = connector("bench", **({} if args.lookup_area else {"lookup_area": False}))
+        # With the lookup area on, a second connector sends the ids in the body: its
+        # burst runs in the same rounds (the two alternate which goes first).
+        plain = connector("bench-body", lookup_area=False) if args.lookup_area else None
         # As vLLM's engine core does once its scheduler (and so this connector) is
         # built (vllm.utils.gc_utils.freeze_gc_heap): the startup heap is frozen, so a
         # full collection does not walk torch's and vLLM's objects.
