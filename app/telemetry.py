@@ -161,7 +161,7 @@ class Telemetry:
         )
         self.event_loop_stall_seconds = Counter(
             "mpcache_event_loop_stall_seconds",
-            "Seconds the event loop could not run in stalls of 1 s or more (app/stalls.py).",
+            "Seconds the event loop could not run in stalls of 0.5 s or more (app/stalls.py).",
             registry=r,
         )
         self.slow_requests = SlowRequests()

@@ -87,7 +87,8 @@ class EngineDriver:
     Results come back as JSON lines in a file (see the driver's docstring); the
     process's own output (vLLM's and the connector's logs, its worker processes'
     too) goes to ``log_path``. The process leads its own process group, so
-    ``close`` can end vLLM's workers with it if it hangs.
+    ``close`` can end vLLM's workers with it if it hangs; it stays in the test's
+    session (see ``__init__``).
     """
 
     def __init__(
@@ -134,7 +135,12 @@ class EngineDriver:
             stdin=subprocess.PIPE,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            # Its own process group (``close`` kills the group), but not its own
+            # session: Linux schedules each session as one group (autogroup), and
+            # an engine in a session of its own, keeping both cores busy, left the
+            # test's session (the mpcache servers) without CPU for 1-2 s at a time
+            # on the 2-core VM: a lookup then timed out at the connector's 1 s.
+            process_group=0,
         )
 
     # -------------------------------------------------------------- reporting

@@ -324,27 +324,20 @@ def test_two_nodes_engine_on_b_loads_what_engine_on_a_stored(
             )
             node_b.call("open", "engine on B", engine=connector_engine(b))
             served = node_b.call("generate", "on B")
-            tries_on_b = 1
-            if served["num_cached_tokens"] == 0 and went_degraded(node_b):
-                # The first lookup of a new engine timed out (seen in two of about
-                # twenty clean-clone CI runs): the connector recovers, and the next
-                # pass loads.
-                wait_until(lambda: "healthy again" in node_b.log_path.read_text(errors="replace"))
-                served = node_b.call("generate", "on B, again")
-                tries_on_b = 2
             samples = metrics(b.url)
             node_b.close()
     baseline = baselines.tokens("llama")
     observed = {"cached": [stored["num_cached_tokens"], served["num_cached_tokens"]]}
     with explained([node_a, node_b], {**observed, "metrics B": samples}):
         assert stored["num_cached_tokens"] == 0
+        # No second pass on B if its lookup failed: B stores the prefix itself once
+        # it recovers, and a second pass would load that, not what A stored.
+        assert served["num_cached_tokens"] == CACHED_PREFIX or not went_degraded(node_b), (
+            "B's connector went degraded during its one pass (its log says why; the "
+            "server logs say if a server could not run)"
+        )
         assert served["num_cached_tokens"] == CACHED_PREFIX
         assert stored["token_ids"] == served["token_ids"] == baseline
-        # Each lookup on B that the server served found the prefix in L2. A timed-out
-        # one may not be counted: the server drops it if its client left before the
-        # body was read, or is still serving it when the metrics are read (the e2e
-        # engines share the machine's 2 cores: a first lookup can wait past the
-        # connector's 1 s for CPU).
-        l2_hits = samples.get("mpcache_chunks_l2_hit_total", 0.0)
-        assert l2_hits in {NUM_CHUNKS * n for n in range(1, tries_on_b + 1)}
+        # B's one lookup found the prefix in L2, and its worker loaded it from there.
+        assert samples.get("mpcache_chunks_l2_hit_total", 0.0) == NUM_CHUNKS
         assert samples.get('mpcache_l2_reads_total{outcome="hit"}') == NUM_CHUNKS
