@@ -332,11 +332,12 @@ def test_two_nodes_engine_on_b_loads_what_engine_on_a_stored(
         assert stored["num_cached_tokens"] == 0
         # No second pass on B if its lookup failed: B stores the prefix itself once
         # it recovers, and a second pass would load that, not what A stored.
-        assert served["num_cached_tokens"] == CACHED_PREFIX or not went_degraded(node_b), (
+        assert served["num_cached_tokens"] == CACHED_PREFIX, (
             "B's connector went degraded during its one pass (its log says why; the "
             "server logs say if a server could not run)"
+            if went_degraded(node_b)
+            else "B's one pass did not load the prefix"
         )
-        assert served["num_cached_tokens"] == CACHED_PREFIX
         assert stored["token_ids"] == served["token_ids"] == baseline
         # B's one lookup found the prefix in L2, and its worker loaded it from there.
         assert samples.get("mpcache_chunks_l2_hit_total", 0.0) == NUM_CHUNKS
