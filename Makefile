@@ -23,7 +23,7 @@ redis:
 serve: venv
 	$(PY) -m app server
 
-# The whole suite: lint, types, import graph, every test. .ci/run calls exactly this.
+# The whole suite: lint, types, import graph, room sizes, every test. .ci/run calls exactly this.
 test: venv e2e-venv redis lint
 	MPCACHE_REQUIRE_VLLM=$${MPCACHE_REQUIRE_VLLM:-1} $(PY) -m pytest -q
 
@@ -36,6 +36,7 @@ lint: venv
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
+	$(PY) scripts/check_shape.py
 
 openapi: venv
 	$(PY) scripts/gen_openapi.py
