@@ -53,7 +53,9 @@ def problems(root: Path) -> list[str]:
         source = path.read_text()
         where = path.relative_to(root)
         for line, name, lines in _long_classes(source):
-            found.append(f"{where}:{line}: class {name} is {lines} lines (at most {MAX_CLASS_LINES})")
+            found.append(
+                f"{where}:{line}: class {name} is {lines} lines (at most {MAX_CLASS_LINES})"
+            )
         for line, name, score in _complex_functions(source):
             found.append(
                 f"{where}:{line}: {name} has cyclomatic complexity {score} "
