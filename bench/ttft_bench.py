@@ -1,0 +1,303 @@
+"""Time to first token in a real vLLM CPU engine: an mpcache hit against vLLM's own.
+
+Three engines, each in a process of its own, started afresh every round in an order
+that rotates round by round:
+
+- ``vllm``: no connector, vLLM's prefix cache on (a hit stays in vLLM's own cache);
+- ``mpcache``: ``MPCacheConnector`` against a fresh mpcache server, vLLM's prefix
+  cache off (what a fresh engine, or one that evicted the prefix, gets);
+- ``none``: no connector, no prefix cache (every pass prefills in full).
+
+Every engine runs the same cases with the round's prompts (random token ids):
+each ``--lengths`` prompt twice (the first pass a miss, the second a hit), and a
+multi-turn case: turn 1's prompt, answered with ``--answer-tokens`` tokens, then
+turn 2 = turn 1's prompt, its answer and ``--turn2-new`` new tokens. Timed passes
+ask for one token, so a ``generate`` call's wall time is its time to first token.
+Every engine gets the same CPU threads (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``:
+vLLM-CPU otherwise reserves one more core for an engine with a connector).
+
+Printed, per case: each engine's TTFT and the tokens vLLM reports cached
+(median (min-max) over the rounds), and the ratios taken within each round: an
+mpcache hit against a vLLM hit, and a miss with the connector against one without.
+Outputs of the hit passes are compared with the ``none`` engine's (greedy): any
+difference is printed.
+
+    .venv/bin/python bench/ttft_bench.py [--rounds 5] [--lengths 2000,2048]
+
+Needs the e2e venv (``.venv-e2e``, ``scripts/bootstrap_e2e_venv.sh``). A round takes
+about a minute on a 2-core machine (three engine starts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINES = ("vllm", "mpcache", "none")
+VOCAB_SIZE = 1000
+
+
+# ---------------------------------------------------------------- engine side
+# (run by the e2e venv's python: ``ttft_bench.py engine SPEC_JSON``)
+
+
+def _make_model(out_dir: str, spec: dict[str, Any]) -> None:
+    """A random Llama, seeded: the engine shape the TTFT issue measured."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=spec["hidden"],
+        intermediate_size=spec["hidden"] * 2,
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["hidden"] // 64,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=8192,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype=spec["dtype"],
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(getattr(torch, spec["dtype"]))
+    model.save_pretrained(out_dir)
+
+
+def _engine(spec: dict[str, Any]) -> None:
+    from vllm import LLM, SamplingParams
+
+    kind = spec["engine"]
+    kwargs: dict[str, Any] = {
+        "model": spec["model"],
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "enable_prefix_caching": kind == "vllm",
+        "block_size": spec["block_size"],
+        "kv_cache_memory_bytes": 512 << 20,
+        "max_model_len": 8192,
+        "max_num_seqs": 4,
+        "dtype": spec["dtype"],
+        "seed": 0,
+        "distributed_executor_backend": spec["executor"],
+    }
+    if kind == "mpcache":
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "MPCacheConnector",
+            "kv_connector_module_path": "connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"mpcache.server_urls": spec["server_url"]},
+        }
+    llm = LLM(**kwargs)
+
+    def generate(prompt: list[int], max_tokens: int = 1) -> dict[str, Any]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        begin = time.perf_counter()
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        return {
+            "ms": (time.perf_counter() - begin) * 1e3,
+            "cached": out.num_cached_tokens or 0,
+            "tokens": list(out.outputs[0].token_ids),
+        }
+
+    results: dict[str, Any] = {}
+    generate(spec["warmup"], 4)
+    for name, prompt in spec["prompts"].items():
+        results[f"{name} miss"] = generate(prompt)
+        results[f"{name} hit"] = generate(prompt)
+    turn1 = spec["turn1"]
+    answer = generate(turn1, spec["answer_tokens"])["tokens"]
+    results["multi-turn turn 2"] = generate(turn1 + answer + spec["turn2_new"])
+    results["multi-turn turn 2"]["shared"] = len(turn1) + len(answer)
+    Path(spec["results"]).write_text(json.dumps(results))
+    llm.llm_engine.engine_core.shutdown()
+
+
+# ---------------------------------------------------------------- bench side
+
+
+def _prompts(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
+
+    return {
+        # As long as the longest prompt: the first long prefill of an engine pays for
+        # allocations and kernel set-up that later ones do not.
+        "warmup": tokens(max(args.lengths)),
+        "prompts": {f"{n} tokens": tokens(n) for n in args.lengths},
+        "turn1": tokens(args.turn1_tokens),
+        "turn2_new": tokens(args.turn2_new),
+        "answer_tokens": args.answer_tokens,
+    }
+
+
+def _engine_env() -> dict[str, str]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        # The engine core in the driver's process (the worker is another one with
+        # the default executor): one vLLM import less per engine.
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        # The same OpenMP threads for every engine (module docstring).
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
+    env.pop("VLLM_LOGGING_LEVEL", None)
+    return env
+
+
+def _run_engine(python: Path, spec: dict[str, Any], log: Path) -> dict[str, Any]:
+    with log.open("ab") as out:
+        proc = subprocess.run(
+            [str(python), __file__, "engine", json.dumps(spec)],
+            cwd=ROOT,
+            env=_engine_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=900,
+        )
+    if proc.returncode != 0:
+        raise SystemExit(f"the {spec['engine']} engine failed (rc {proc.returncode}); see {log}")
+    result: dict[str, Any] = json.loads(Path(spec["results"]).read_text())
+    return result
+
+
+def _summary(values: list[float], digits: int = 0) -> str:
+    med = statistics.median(values)
+    return f"{med:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def _report(rounds: list[dict[str, dict[str, Any]]], chunk_size: int) -> str:
+    cases = list(rounds[0]["none"])
+    lines = [
+        f"{'case':<26}{'engine':<9}{'TTFT ms median (min-max)':>28}{'cached tokens':>24}",
+    ]
+    for case in cases:
+        for engine in ENGINES:
+            ms = [r[engine][case]["ms"] for r in rounds]
+            cached = [r[engine][case]["cached"] for r in rounds]
+            lines.append(f"{case:<26}{engine:<9}{_summary(ms):>28}{_summary(cached):>24}")
+    lines.append("")
+    lines.append(f"ratios within each round (median (min-max) of {len(rounds)} rounds):")
+    for case in cases:
+        if case.endswith("miss"):
+            ratio = [r["mpcache"][case]["ms"] / r["none"][case]["ms"] for r in rounds]
+            lines.append(f"  {case}: mpcache / none = {_summary(ratio, 2)}   (target <= 1.03)")
+        else:
+            ratio = [r["mpcache"][case]["ms"] / r["vllm"][case]["ms"] for r in rounds]
+            lines.append(f"  {case}: mpcache / vllm = {_summary(ratio, 2)}   (target <= 1.5)")
+    mismatched = [
+        (i, engine, case)
+        for i, r in enumerate(rounds)
+        for engine in ("vllm", "mpcache")
+        for case in cases
+        if r[engine][case]["tokens"] != r["none"][case]["tokens"]
+    ]
+    lines.append(f"outputs differing from recompute (round, engine, case): {mismatched or 'none'}")
+    shared = rounds[0]["none"]["multi-turn turn 2"]["shared"]
+    lines.append(
+        f"(chunk size {chunk_size}; multi-turn: turn 2 shares {shared} tokens with turn 1)"
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "make-model":
+        _make_model(sys.argv[2], json.loads(sys.argv[3]))
+        return
+    if len(sys.argv) == 3 and sys.argv[1] == "engine":
+        _engine(json.loads(sys.argv[2]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--lengths", default="2000,2048", help="prompt lengths, comma-separated")
+    parser.add_argument("--turn1-tokens", type=int, default=1500)
+    parser.add_argument("--answer-tokens", type=int, default=40)
+    parser.add_argument("--turn2-new", type=int, default=200)
+    parser.add_argument("--chunk-size", type=int, default=256, help="the server's --chunk-size")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--executor", default="mp", help="vLLM's distributed_executor_backend")
+    parser.add_argument("--e2e-venv", type=Path, default=ROOT / ".venv-e2e")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
+    args = parser.parse_args()
+    args.lengths = [int(n) for n in args.lengths.split(",")]
+    if args.rounds < 5:
+        print(f"note: {args.rounds} rounds; figures want at least 5", file=sys.stderr)
+
+    sys.path.insert(0, str(ROOT))
+    from bench.common import load_line
+    from tests.support import server_process
+
+    python = args.e2e_venv / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"no e2e venv at {args.e2e_venv}: run scripts/bootstrap_e2e_venv.sh")
+    work = Path(tempfile.mkdtemp(prefix="mpcache-ttft-"))
+    log = work / "engines.log"
+    shape = {"layers": args.layers, "hidden": args.hidden, "dtype": args.dtype}
+    subprocess.run(
+        [str(python), __file__, "make-model", str(work / "model"), json.dumps(shape)],
+        check=True,
+        env=_engine_env(),
+        capture_output=True,
+    )
+    print(load_line())
+    print(
+        f"model: random Llama, {args.layers} layers, hidden {args.hidden}, 4 KV heads of 64, "
+        f"{args.dtype}, block {args.block_size}; server --chunk-size {args.chunk_size}"
+    )
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for index in range(args.rounds):
+        prompts = _prompts(args, seed=index)
+        order = ENGINES[index % 3 :] + ENGINES[: index % 3]
+        results: dict[str, dict[str, Any]] = {}
+        for engine in order:
+            spec = {
+                **prompts,
+                **shape,
+                "engine": engine,
+                "model": str(work / "model"),
+                "block_size": args.block_size,
+                "executor": args.executor,
+                "results": str(work / f"r{index}-{engine}.json"),
+            }
+            if engine == "mpcache":
+                server_args = ("--chunk-size", str(args.chunk_size), "--pool-size", "1GiB")
+                with server_process(*server_args) as (url, _):
+                    results[engine] = _run_engine(python, {**spec, "server_url": url}, log)
+            else:
+                results[engine] = _run_engine(python, spec, log)
+        rounds.append(results)
+        hit = results["mpcache"][f"{args.lengths[0]} tokens hit"]
+        print(
+            f"round {index + 1}: {args.lengths[0]}-token mpcache hit {hit['ms']:.0f} ms, "
+            f"{hit['cached']} tokens cached",
+            flush=True,
+        )
+    print(_report(rounds, args.chunk_size))
+    if args.keep:
+        print(f"work folder: {work}")
+
+
+if __name__ == "__main__":
+    main()
