@@ -489,14 +489,32 @@ class Pool:
     def _evict_for(self, num_pages: int, evicted: list[Entry]) -> int | None:
         """Evict entries so that ``num_pages`` contiguous pages are free; or evict nothing.
 
-        The eviction is planned before anything is evicted. Evictable entries (not
-        pinned, not leased) are freed one at a time, oldest first, in a copy of the
-        page map, passing over at most ``MAX_EVICTION_SCAN`` held ones (which then
-        move to the recent end), until a free run of ``num_pages`` pages forms: of all
-        windows that could be freed, those in that run have the oldest newest
-        victim. Then only the entries under the window of that run that holds the
-        fewest of them are evicted. If no run ever forms (e.g. a pinned or leased
-        page splits every window), nothing is evicted and None is returned.
+        The eviction is planned before anything is evicted: ``_free_run_for`` finds
+        the run the oldest evictable entries free, ``_fewest_victims`` the window of
+        it that evicts the fewest of them. If no run ever forms (e.g. a pinned or
+        leased page splits every window), nothing is evicted and None is returned.
+        """
+        planned = self._free_run_for(num_pages)
+        if planned is None:
+            return None
+        freed, (run_start, run_end) = planned
+        free_starts = [s for s, _ in self._alloc.runs_within(run_start, run_end)]
+        for entry in _fewest_victims(freed, free_starts, run_start, run_end, num_pages):
+            self._detach(entry)
+            evicted.append(entry)
+        # Every other free run is shorter than num_pages (first fit failed), so this
+        # lands in the run just freed.
+        return self._alloc.alloc(num_pages)
+
+    def _free_run_for(self, num_pages: int) -> tuple[list[Entry], tuple[int, int]] | None:
+        """(Under the lock, evicting nothing) the evictable entries, oldest first,
+        whose pages freed in a copy of the page map first form a free run of
+        ``num_pages``, and that run ``(start, end)``; None if none forms.
+
+        Entries not pinned nor leased are freed one at a time, passing over at most
+        ``MAX_EVICTION_SCAN`` held ones, which then move to the recent end (the next
+        eviction starts past them). Of all windows that could be freed, those in the
+        run found have the oldest newest victim.
         """
         now = self._clock()
         scratch = self._alloc.copy()
@@ -514,34 +532,9 @@ class Pool:
             if run_len >= num_pages:
                 run = run_start, run_start + run_len
                 break
-        for ident in held:  # the next eviction starts past them
+        for ident in held:
             self._index.move_to_end(ident)
-        if run is None:
-            return None
-        run_start, run_end = run
-        inside = [e for e in freed if run_start <= e.first_page < run_end]
-        # A window can slide left to the start of the first piece it touches without
-        # touching more entries, so windows starting at a piece are enough to try.
-        starts = {e.first_page for e in inside}
-        starts.update(s for s, _ in self._alloc.runs_within(run_start, run_end))
-        best: list[Entry] | None = None
-        for start in sorted(starts):
-            if start + num_pages > run_end:
-                break
-            victims = [
-                e
-                for e in inside
-                if e.first_page < start + num_pages and start < e.first_page + e.num_pages
-            ]
-            if best is None or len(victims) < len(best):
-                best = victims
-        assert best is not None  # the run's first piece starts a window that fits
-        for entry in best:
-            self._detach(entry)
-            evicted.append(entry)
-        # Every other free run is shorter than num_pages (first fit failed), so this
-        # lands in the run just freed.
-        return self._alloc.alloc(num_pages)
+        return None if run is None else (freed, run)
 
     def _notify(self, entries: Sequence[Entry], reason: DropReason) -> None:
         if entries and self.on_drop is not None:
@@ -549,3 +542,29 @@ class Pool:
                 self.on_drop(entries, reason)
             except Exception:
                 logger.exception("pool drop hook failed (%s)", reason)
+
+
+def _fewest_victims(
+    freed: list[Entry], free_starts: list[int], run_start: int, run_end: int, num_pages: int
+) -> list[Entry]:
+    """The entries of ``freed`` under the window of ``num_pages`` pages in the free
+    run ``[run_start, run_end)`` that holds the fewest of them (``free_starts``: the
+    starts of the pages already free in the run)."""
+    inside = [e for e in freed if run_start <= e.first_page < run_end]
+    # A window can slide left to the start of the first piece it touches without
+    # touching more entries, so windows starting at a piece are enough to try.
+    starts = {e.first_page for e in inside}
+    starts.update(free_starts)
+    best: list[Entry] | None = None
+    for start in sorted(starts):
+        if start + num_pages > run_end:
+            break
+        victims = [
+            e
+            for e in inside
+            if e.first_page < start + num_pages and start < e.first_page + e.num_pages
+        ]
+        if best is None or len(victims) < len(best):
+            best = victims
+    assert best is not None  # the run's first piece starts a window that fits
+    return best

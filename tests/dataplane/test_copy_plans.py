@@ -11,7 +11,8 @@ import torch
 from contract.schemas import MemfdTensor
 from dataplane.descriptors import tensor_geometry
 from dataplane.layout import BlockTensorSpec, ChunkLayout, GroupSpec, chunk_layout
-from dataplane.transfer import TensorPlan, block_runs, gather_chunk, make_plan, scatter_chunk
+from dataplane.plans import TensorPlan, make_plan
+from dataplane.transfer import block_runs, gather_chunk, scatter_chunk
 from tests.dataplane.support import streaming_kernel
 
 
