@@ -226,7 +226,7 @@ def test_renewals_under_a_long_lease_keep_the_deadline_heap_bounded(
     for i in range(5000):  # a request re-looked up every step for an hour's lease
         clock.now = i * 0.01
         pool.lookup([b"a"], 1, holder="r", lease_ttl_s=3600)
-    assert len(pool._deadlines) <= 2 + 1024 + 1  # stale entries dropped, not kept
+    assert len(pool._leases.deadlines) <= 2 + 1024 + 1  # stale entries dropped, not kept
     assert pool.stats().leased_keys == 1
     clock.now = 49.99 + 3600
     assert pool.stats().leased_keys == 0  # the last renewal's deadline still holds
