@@ -1,18 +1,10 @@
 """Registered worker KV caches, keyed by ``(instance_id, rank)``.
 
 ``build_registration`` validates a ``RegisterRequest`` in full (groups, layers,
-every descriptor) before it builds any view, then redeems the memfd tickets
+every descriptor) before it builds any view, then uses the redeemed memfds
 (``dataplane.fdgate``: the memory was mapped when the worker passed it) and opens
-each CUDA IPC handle (see Note [mpcache CUDA IPC invariants]).
-
-``Registry`` holds at most one registration per ``(instance_id, rank)``. Ownership:
-each registration has a secret ``token`` (returned once by ``POST /register``);
-using it (``acquire``), replacing it (``add``) or removing it (``remove``) needs
-that token, compared in constant time. Liveness: a registration made from memfds
-belongs to the socket connection its tickets came from, and ``release_connection``
-drops every registration of a closed connection (a dead worker). A replaced,
-removed or dropped registration releases its mappings as soon as no transfer is
-using it (``acquire`` counts users), so a copy in flight never loses its memory.
+each CUDA IPC handle (see Note [mpcache CUDA IPC invariants]). ``Registry`` holds
+the live ones; its docstring has the ownership and liveness rules.
 """
 
 from __future__ import annotations
@@ -215,7 +207,17 @@ def _group_num_blocks(
 
 
 class Registry:
-    """Thread-safe map of live registrations (see the module docstring)."""
+    """Thread-safe map of live registrations, at most one per ``(instance_id, rank)``.
+
+    Ownership: each registration has a secret ``token`` (returned once by ``POST
+    /register``); using it (``acquire``), replacing it (``add``) or removing it
+    (``remove``) needs that token, compared in constant time. Liveness: a
+    registration made from memfds belongs to the socket connection its tickets came
+    from, and ``release_connection`` drops every registration of a closed connection
+    (a dead worker). A replaced, removed or dropped registration releases its
+    mappings as soon as no transfer is using it (``acquire`` counts users), so a copy
+    in flight never loses its memory.
+    """
 
     def __init__(self) -> None:
         self._regs: dict[tuple[str, int], Registration] = {}
