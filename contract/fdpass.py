@@ -21,16 +21,9 @@ passes the descriptors to the server over the server's registration socket
 Possession of the descriptor is the proof of ownership: nothing is opened by name,
 so a client can only register memory it holds, and the seal means the size the
 server mapped cannot shrink under it (a shrunk mapping would SIGBUS the server).
-
 Tickets are opaque, one-time, and belong to the connection that received them: a
 registration's tickets must all come from one connection, whose life then bounds the
-registration's. At most ``MAX_FDS_PER_HANDSHAKE`` descriptors travel in one
-message (more are discarded by the kernel and the handshake is refused), and a
-connection holds at most ``MAX_TICKETS_PER_CONNECTION`` unused tickets.
-
-The constants below are Linux's (``<linux/fcntl.h>``, ``<linux/memfd.h>``); Python's
-``fcntl`` module has them from 3.8 on most builds, so they are taken from it when
-present.
+registration's.
 """
 
 from __future__ import annotations
@@ -55,6 +48,8 @@ __all__ = [
     "seals_of",
 ]
 
+# Linux's (<linux/fcntl.h>, <linux/memfd.h>); Python's fcntl module has them from
+# 3.8 on most builds, so they are taken from it when present.
 F_ADD_SEALS: int = getattr(fcntl, "F_ADD_SEALS", 1024 + 9)
 F_GET_SEALS: int = getattr(fcntl, "F_GET_SEALS", 1024 + 10)
 F_SEAL_SEAL: int = getattr(fcntl, "F_SEAL_SEAL", 0x0001)
@@ -66,8 +61,9 @@ HANDSHAKE_MAGIC = b"MPFD1"
 """The data bytes that carry the descriptors (SCM_RIGHTS needs at least one byte)."""
 
 MAX_FDS_PER_HANDSHAKE = 64
-"""Descriptors one handshake (hence one registration) may pass. vLLM's CPU KV cache is
-one storage per layer at most; a registration needing more is refused."""
+"""Descriptors one handshake (hence one registration) may pass: more are discarded by
+the kernel and the handshake is refused. vLLM's CPU KV cache is one storage per
+layer at most; a registration needing more is refused."""
 
 MAX_TICKETS_PER_CONNECTION = 128
 """Unused tickets one connection may hold; a handshake beyond it is refused."""

@@ -5,10 +5,13 @@ Pure maths is kept apart from I/O:
 - ``layout``       chunk layout of a registration (regions, slots, signature); pure
 - ``segments``     the server's POSIX shm segments: ownership, pre-fault, stale sweep
 - ``pool``         the L1 cache: pages in one owned segment, LRU, pins, leases
-- ``descriptors``  validate tensor descriptors, then map shm and build zero-copy views
+- ``fdgate``       the registration socket: sealed memfds in, one-time tickets out
+- ``descriptors``  validate tensor descriptors, then build zero-copy views
 - ``cuda_ipc``     GPU tensors by CUDA IPC (Note [mpcache CUDA IPC invariants])
-- ``transfer``     copy plans and the gather/scatter kernels
 - ``registry``     registrations keyed by (instance_id, rank)
+- ``plans``        how each registered tensor is seen for copying (built at registration)
+- ``transfer``     the gather/scatter copies of a chunk and the lanes that run them
+- ``blockcopy``, ``streaming``, ``libc``  the C kernel, glibc's streaming stores, libc
 
 It imports only ``contract`` (names, schemas, errors); the cache operations that
 use it live above it, in ``app.service``.

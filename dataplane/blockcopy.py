@@ -2,12 +2,11 @@
 
 numpy copies a vLLM block (32 KiB for a Llama-3-8B-like layer) with one cached
 ``memmove``: every destination line is read before it is written, so scattered
-blocks moved at ~0.6-0.75x a large streaming copy on the 2-core development VM,
-and glibc streams only copies far larger than a block (``dataplane.streaming``).
-``blockcopy.c`` copies a list of blocks with SSE2 streaming stores and prefetches
-the next block's first lines; there it moved random 32 KiB blocks at ~0.85x a large
-copy against ~0.6x for a memcpy per block (bench/dataplane_bench.py has the
-through-the-server figures).
+blocks move well below a large streaming copy's rate, and glibc streams only copies
+far larger than a block (``dataplane.streaming``). ``blockcopy.c`` copies a list of
+blocks with SSE2 streaming stores and prefetches the next block's first lines,
+which beats a ``memcpy`` per block (bench/dataplane_bench.py measures both through
+the server).
 
 ``load`` loads the kernel with ctypes (which releases the GIL for the call), built
 by ``contract.kernels`` (compiled once, cached; a kernel built ahead needs no

@@ -1,23 +1,8 @@
 """The registration socket: sealed memfds in, one-time tickets out (``contract.fdpass``).
 
-``FdGate`` listens on a Unix socket (a file of mode 0600 in a directory of mode 0700)
-and runs one thread that serves every connection with ``selectors``:
-
-- **accept**: reads the peer's uid and pid (``SO_PEERCRED``); a peer of another uid
-  (other than root) is dropped. At most ``max_connections`` at once; more are
-  dropped at accept, so no client can run the server out of descriptors.
-- **handshake** (a message ``HANDSHAKE_MAGIC`` carrying up to
-  ``MAX_FDS_PER_HANDSHAKE`` descriptors): each descriptor must be a memfd on tmpfs
-  sealed against shrinking (``F_GET_SEALS`` has ``F_SEAL_SHRINK``) and at least one
-  byte long; it is mapped whole (``SealedMemory``) and closed at once, so the
-  server holds no descriptor past the handshake. The reply is one JSON line of
-  tickets, or of an error (then nothing was kept). A handshake is all or nothing.
-- **EOF** (the worker closed the socket, or died): the connection's unused tickets
-  are unmapped and ``on_disconnect(conn_id)`` releases its registrations (the
-  registry waits for copies in flight before unmapping).
-
-``take`` redeems tickets for ``POST /register``: once, all from one live
-connection. Nothing here opens memory by name.
+``FdGate`` serves the socket and holds the tickets (its docstring has the rules);
+``map_sealed`` checks and maps one passed descriptor (``SealedMemory``, which owns
+the mapping). Nothing here opens memory by name.
 """
 
 from __future__ import annotations
@@ -260,7 +245,28 @@ def sweep_stale_socket_dirs(base: Path, *, min_age_s: float = 60.0) -> list[Path
 
 
 class FdGate:
-    """The registration socket and its tickets (see the module docstring)."""
+    """The registration socket and its tickets.
+
+    Listens on a Unix socket (a file of mode 0600 in a directory of mode 0700) and
+    runs one thread that serves every connection with ``selectors``:
+
+    - **accept**: reads the peer's uid and pid (``SO_PEERCRED``); a peer of another
+      uid (other than root) is dropped. At most ``max_connections`` at once; more
+      are dropped at accept, so no client can run the server out of descriptors.
+    - **handshake** (a message ``HANDSHAKE_MAGIC`` carrying up to
+      ``MAX_FDS_PER_HANDSHAKE`` descriptors): each descriptor must be a memfd on
+      tmpfs sealed against shrinking (``F_GET_SEALS`` has ``F_SEAL_SHRINK``) and at
+      least one byte long; it is mapped whole (``map_sealed``) and closed at once,
+      so the server holds no descriptor past the handshake. The reply is one JSON
+      line of tickets, or of an error (then nothing was kept): all or nothing.
+    - **EOF** (the worker closed the socket, or died): the connection's unused
+      tickets are unmapped and ``on_disconnect(conn_id)`` releases its
+      registrations (the registry waits for copies in flight before unmapping).
+
+    ``take`` redeems tickets for ``POST /register``: once, all from one live
+    connection. ``close`` removes the socket, and its directory when
+    ``owns_directory`` (the gate made it).
+    """
 
     def __init__(
         self,

@@ -3,24 +3,9 @@
 A registered KV cache is a set of *block tensors*: tensors with one dimension
 (``block_dim``) that indexes vLLM blocks, e.g. ``[2, num_blocks, block_size,
 heads, head_dim]`` with ``block_dim=1`` or MLA's ``[num_blocks, block_size, dim]``
-with ``block_dim=0``. A group with token span ``span`` has
-``chunk_size // span`` blocks in each chunk.
-
-A pool entry holds one chunk of one rank. Its bytes are one *region* per block
-tensor, in registration order, each region 64-byte aligned and laid out as the
-tensor's own shape with ``block_dim`` cut to the group's blocks per chunk (C
-order, contiguous)::
-
-    entry = region(layer 0, tensor 0) | pad | region(layer 0, tensor 1) | ...
-    region = tensor[..., blocks of this chunk, ...]   (shape[block_dim] -> n_g)
-
-Two registrations share entries only if their ``ChunkLayout.signature`` agree (same
-groups, chunk size, tensor geometry and dtype per layer): a retrieve from an entry
-of another layout is a miss, never garbage.
-
-An entry also records which of its blocks hold data: ``present`` is a bitmask over
-the chunk's *slots* (group 0's blocks first, then group 1's, ...); a null block id
-on store leaves its slot empty.
+with ``block_dim=0``. ``chunk_layout`` says where one chunk of them sits in a pool
+entry (``ChunkLayout``, whose docstring draws it); ``chunk_block_ids`` and
+``slot_mask`` cut a request's block ids into chunks.
 """
 
 from __future__ import annotations
@@ -90,6 +75,24 @@ class Region:
 
 @dataclass(frozen=True)
 class ChunkLayout:
+    """The bytes of a pool entry: one chunk of one rank of a registration.
+
+    A group with token span ``span`` has ``chunk_size // span`` blocks in each
+    chunk. The entry is one *region* per block tensor, in registration order, each
+    64-byte aligned (``REGION_ALIGN_BYTES``) and laid out as the tensor's own shape
+    with ``block_dim`` cut to the group's blocks per chunk (C order, contiguous)::
+
+        entry = region(layer 0, tensor 0) | pad | region(layer 0, tensor 1) | ...
+        region = tensor[..., blocks of this chunk, ...]   (shape[block_dim] -> n_g)
+
+    Two registrations share entries only if their ``signature`` agree (same groups,
+    chunk size, tensor geometry and dtype per layer): a retrieve from an entry of
+    another layout is a miss, never garbage. An entry also records which of its
+    blocks hold data: ``present`` is a bitmask over the chunk's *slots* (group 0's
+    blocks first, then group 1's, ...; ``slot_offsets``); a null block id on store
+    leaves its slot empty.
+    """
+
     chunk_size: int
     groups: tuple[GroupSpec, ...]
     blocks_per_chunk: tuple[int, ...]

@@ -1,37 +1,8 @@
 """The server's cache (L1): one shared-memory segment cut into fixed-size pages.
 
-An entry is one chunk of one rank, keyed ``(chunk key, rank)``. It occupies
-``ceil(nbytes / page_size)`` contiguous pages, so every copy into or out of it
-works on one contiguous byte range.
-
-Visibility (all-or-nothing): ``begin_store`` reserves pages for a *pending* entry
-that no reader can see; the caller copies the bytes in without holding the pool's
-lock, then ``commit`` makes the entry visible in one step (or ``abort`` frees it).
-A second store of a key that is pending or cached is told it is ``PRESENT``.
-
-Eviction: least recently used first, never an entry that is pinned (a retrieve is
-copying out of it) or leased (a lookup promised it to a request), and planned
-before it starts: entries are evicted only when that frees a large enough run of
-contiguous pages, and then only the ones under that run (``_evict_for``). Pinned
-entries that are replaced stay readable until unpinned, so no reader sees a torn
-chunk.
-
-Leases are held per holder (a request id) with a deadline, so a lease that its
-session never released (a crashed client) lapses on its own. A holder's leases share
-one deadline, which each of its lookups renews; per key the pool counts its holders,
-so a lookup leases its hits with a few calls into C, not a dict per key.
-
-Bounded eviction cost: one eviction passes over at most ``MAX_EVICTION_SCAN``
-entries it cannot evict (pinned or leased); those move to the most recently used
-end, so with every entry leased a store fails fast (no room) instead of walking the
-whole LRU, and a later eviction starts past them. Evictable entries are never a
-reason to stop: when entries of different sizes fragment the pool, the walk goes on
-until a large enough run forms.
-Leased entries were just looked up, and pinned ones are being read: either way
-recently used.
-
-Thread-safe: one lock guards the index; copies run outside it. Callbacks
-(``on_drop``) are called after the lock is released.
+``Pool`` holds the entries (one chunk of one rank each, on contiguous pages) with
+their visibility, LRU eviction and pins; ``PageAllocator`` is its pure page map and
+``_Leases`` its record of leased keys. The rules are on ``Pool``.
 """
 
 from __future__ import annotations
@@ -60,7 +31,14 @@ _STALE_DEADLINES: Final = 1024
 """Stale lease deadlines the pool keeps before it rebuilds their heap."""
 
 MAX_EVICTION_SCAN: Final = 256
-"""Most entries one eviction examines (see the module docstring)."""
+"""Most entries one eviction passes over that it cannot evict (pinned or leased).
+
+Those move to the most recently used end (leased entries were just looked up,
+pinned ones are being read: either way recently used), so with every entry leased a
+store fails fast (no room) instead of walking the whole LRU, and a later eviction
+starts past them. Evictable entries are never a reason to stop: when entries of
+different sizes fragment the pool, the walk goes on until a large enough run forms.
+"""
 
 DropReason = Literal["evicted", "replaced", "closed"]
 
@@ -169,8 +147,97 @@ class _Lease:
     keys: set[bytes]
 
 
+class _Leases:
+    """Which keys the pool's holders lease, until when (used under the pool's lock).
+
+    A holder is a request id. Its leases share one deadline, which each of its
+    lookups renews, so a lease its session never released (a crashed client) lapses
+    on its own. Per key ``counts`` says how many holders lease it, so a lookup
+    leases its hits with a few calls into C, not a dict per key. A heap of
+    ``(deadline, holder)`` finds the lapsed holders; renewals and releases leave
+    stale items in it, skipped when popped.
+    """
+
+    __slots__ = ("counts", "deadlines", "held")
+
+    def __init__(self) -> None:
+        self.held: dict[str, _Lease] = {}
+        self.counts: Counter[bytes] = Counter()
+        self.deadlines: list[tuple[float, str]] = []
+
+    def grant(self, holder: str, keys: Sequence[bytes], deadline: float) -> None:
+        """Lease ``keys`` to ``holder`` until ``deadline``; its earlier leases are
+        renewed to it."""
+        lease = self.held.get(holder)
+        if lease is None:
+            lease = self.held[holder] = _Lease(deadline, set(keys))
+            self.counts.update(lease.keys)
+        else:
+            fresh = set(keys)
+            fresh -= lease.keys
+            self.counts.update(fresh)
+            lease.keys |= fresh
+            lease.deadline = deadline
+        deadlines = self.deadlines
+        heapq.heappush(deadlines, (deadline, holder))
+        if len(deadlines) > 2 * len(self.held) + _STALE_DEADLINES:
+            # Renewals leave stale entries until their deadline: drop them now and
+            # then, so a long lease TTL with frequent renewals cannot grow the heap.
+            self.deadlines = [(lease.deadline, h) for h, lease in self.held.items()]
+            heapq.heapify(self.deadlines)
+
+    def lapse(self, now: float) -> None:
+        """Release the leases whose deadline has passed."""
+        deadlines, held = self.deadlines, self.held
+        while deadlines and deadlines[0][0] <= now:
+            _, holder = heapq.heappop(deadlines)
+            lease = held.get(holder)
+            if lease is not None and lease.deadline <= now:
+                self.release(holder)
+
+    def release(self, holder: str) -> None:
+        """Drop ``holder``'s leases."""
+        lease = self.held.pop(holder, None)
+        if lease is None:
+            return
+        counts = self.counts
+        for key in lease.keys:
+            left = counts[key] - 1
+            if left:
+                counts[key] = left
+            else:
+                counts.pop(key)  # dict's own (Counter's __delitem__ is Python code)
+
+    def clear(self) -> None:
+        self.held.clear()
+        self.counts.clear()
+        self.deadlines.clear()
+
+
 class Pool:
-    """The L1 cache over one owned ``Segment`` (see the module docstring)."""
+    """The L1 cache over one owned ``Segment``: ``create`` makes the segment, ``close``
+    unmaps and unlinks it (the server's only segment; docs/design.md s.5).
+
+    Layout: entry ``(chunk key, rank)`` occupies ``ceil(nbytes / page_size)``
+    contiguous pages from ``offset_bytes``, so every copy into or out of it works on
+    one contiguous byte range (``view``); what the bytes hold is the registration's
+    ``dataplane.layout.ChunkLayout``.
+
+    Visibility (all-or-nothing): ``begin_store`` reserves pages for a *pending* entry
+    that no reader can see; the caller copies the bytes in without holding the
+    pool's lock, then ``commit`` makes the entry visible in one step (or ``abort``
+    frees it). A second store of a key that is pending or cached is told it is
+    ``PRESENT``. Pinned entries (a retrieve is copying out of them) that are
+    replaced or evicted stay readable until unpinned, so no reader sees a torn chunk.
+
+    Eviction (``_evict_for``): least recently used first, never an entry that is
+    pinned or leased (a lookup promised it to a request: ``_Leases``), planned
+    before it starts, its cost bounded by ``MAX_EVICTION_SCAN``.
+
+    Thread-safe: one lock guards the index; copies run outside it. Lock order: a
+    caller may hold its own lock when it calls in (the session manager's does), and
+    the pool never calls out under its own: ``on_drop`` runs after it is released.
+    """
 
     def __init__(
         self,
@@ -196,12 +263,7 @@ class Pool:
         # index and the LRU order, so a hit costs one probe (``move_to_end``).
         self._index: OrderedDict[tuple[bytes, int], Entry] = OrderedDict()
         self._pending: dict[tuple[bytes, int], Entry] = {}
-        # Leases: each holder's record, and per key how many holders lease it. A
-        # heap of (deadline, holder) finds the lapsed ones (stale after a renewal or
-        # a release: skipped when popped).
-        self._held: dict[str, _Lease] = {}
-        self._leases: Counter[bytes] = Counter()
-        self._deadlines: list[tuple[float, str]] = []
+        self._leases = _Leases()
         self._clock = clock
         self._lock = threading.Lock()
         self.on_drop = on_drop
@@ -247,8 +309,6 @@ class Pool:
             self._index.clear()
             self._pending.clear()
             self._leases.clear()
-            self._held.clear()
-            self._deadlines.clear()
             self._bytes = None
         self.segment.close()
         self._notify(dropped, "closed")
@@ -257,13 +317,13 @@ class Pool:
 
     def stats(self) -> PoolStats:
         with self._lock:
-            self._lapse(self._clock())  # leased_keys counts live leases only
+            self._leases.lapse(self._clock())  # leased_keys counts live leases only
             return PoolStats(
                 capacity_bytes=self.capacity_bytes,
                 used_bytes=(self._alloc.num_pages - self._alloc.free_pages) * self.page_size,
                 entries=len(self._index),
                 pending=len(self._pending),
-                leased_keys=len(self._leases),
+                leased_keys=len(self._leases.counts),
             )
 
     def view(self, entry: Entry) -> torch.Tensor:
@@ -296,12 +356,12 @@ class Pool:
     ) -> list[int]:
         """``lookup`` of each ``(keys, world_size, holder)``, under one hold of the
         lock and one reading of the clock (a lookup call's items, as they arrive)."""
-        index = self._index
+        index, leases = self._index, self._leases
         touch = index.move_to_end  # KeyError: not cached (the index is the LRU order)
         out: list[int] = []
         with self._lock:
             now = self._clock()
-            self._lapse(now)
+            leases.lapse(now)
             for keys, world_size, holder in requests:
                 hits = 0
                 try:
@@ -320,55 +380,12 @@ class Pool:
                     pass
                 out.append(hits)
                 if holder is not None and lease_ttl_s > 0 and hits:
-                    self._lease(holder, keys[:hits], now + lease_ttl_s)
+                    leases.grant(holder, keys[:hits], now + lease_ttl_s)
         return out
-
-    def _lease(self, holder: str, keys: Sequence[bytes], deadline: float) -> None:
-        """(Under the lock) lease ``keys`` to ``holder`` until ``deadline``; a holder's
-        earlier leases are renewed to it."""
-        lease = self._held.get(holder)
-        if lease is None:
-            lease = self._held[holder] = _Lease(deadline, set(keys))
-            self._leases.update(lease.keys)
-        else:
-            fresh = set(keys)
-            fresh -= lease.keys
-            self._leases.update(fresh)
-            lease.keys |= fresh
-            lease.deadline = deadline
-        deadlines = self._deadlines
-        heapq.heappush(deadlines, (deadline, holder))
-        if len(deadlines) > 2 * len(self._held) + _STALE_DEADLINES:
-            # Renewals leave stale entries until their deadline: drop them now and
-            # then, so a long lease TTL with frequent renewals cannot grow the heap.
-            self._deadlines = [(lease.deadline, h) for h, lease in self._held.items()]
-            heapq.heapify(self._deadlines)
-
-    def _lapse(self, now: float) -> None:
-        """(Under the lock) release the leases whose deadline has passed."""
-        deadlines, held = self._deadlines, self._held
-        while deadlines and deadlines[0][0] <= now:
-            _, holder = heapq.heappop(deadlines)
-            lease = held.get(holder)
-            if lease is not None and lease.deadline <= now:
-                self._release(holder)
-
-    def _release(self, holder: str) -> None:
-        """(Under the lock) drop ``holder``'s leases."""
-        lease = self._held.pop(holder, None)
-        if lease is None:
-            return
-        leases = self._leases
-        for key in lease.keys:
-            left = leases[key] - 1
-            if left:
-                leases[key] = left
-            else:
-                leases.pop(key)  # dict's own (Counter's __delitem__ is Python code)
 
     def release_leases(self, holder: str) -> None:
         with self._lock:
-            self._release(holder)
+            self._leases.release(holder)
 
     def pin(self, key: bytes, rank: int, layout: bytes, needed: int) -> Entry | None:
         """Pin a visible entry with this layout holding every slot in ``needed``.
@@ -474,10 +491,11 @@ class Pool:
     # ------------------------------------------------------------------ internals
 
     def _leased(self, key: bytes, now: float) -> bool:
-        if key not in self._leases:
+        leases = self._leases
+        if key not in leases.counts:
             return False
-        self._lapse(now)
-        return key in self._leases
+        leases.lapse(now)
+        return key in leases.counts
 
     def _detach(self, entry: Entry) -> None:
         ident = (entry.key, entry.rank)
@@ -489,14 +507,32 @@ class Pool:
     def _evict_for(self, num_pages: int, evicted: list[Entry]) -> int | None:
         """Evict entries so that ``num_pages`` contiguous pages are free; or evict nothing.
 
-        The eviction is planned before anything is evicted. Evictable entries (not
-        pinned, not leased) are freed one at a time, oldest first, in a copy of the
-        page map, passing over at most ``MAX_EVICTION_SCAN`` held ones (which then
-        move to the recent end), until a free run of ``num_pages`` pages forms: of all
-        windows that could be freed, those in that run have the oldest newest
-        victim. Then only the entries under the window of that run that holds the
-        fewest of them are evicted. If no run ever forms (e.g. a pinned or leased
-        page splits every window), nothing is evicted and None is returned.
+        The eviction is planned before anything is evicted: ``_free_run_for`` finds
+        the run the oldest evictable entries free, ``_fewest_victims`` the window of
+        it that evicts the fewest of them. If no run ever forms (e.g. a pinned or
+        leased page splits every window), nothing is evicted and None is returned.
+        """
+        planned = self._free_run_for(num_pages)
+        if planned is None:
+            return None
+        freed, (run_start, run_end) = planned
+        free_starts = [s for s, _ in self._alloc.runs_within(run_start, run_end)]
+        for entry in _fewest_victims(freed, free_starts, run_start, run_end, num_pages):
+            self._detach(entry)
+            evicted.append(entry)
+        # Every other free run is shorter than num_pages (first fit failed), so this
+        # lands in the run just freed.
+        return self._alloc.alloc(num_pages)
+
+    def _free_run_for(self, num_pages: int) -> tuple[list[Entry], tuple[int, int]] | None:
+        """(Under the lock, evicting nothing) the evictable entries, oldest first,
+        whose pages freed in a copy of the page map first form a free run of
+        ``num_pages``, and that run ``(start, end)``; None if none forms.
+
+        Entries not pinned nor leased are freed one at a time, passing over at most
+        ``MAX_EVICTION_SCAN`` held ones, which then move to the recent end (the next
+        eviction starts past them). Of all windows that could be freed, those in the
+        run found have the oldest newest victim.
         """
         now = self._clock()
         scratch = self._alloc.copy()
@@ -514,34 +550,9 @@ class Pool:
             if run_len >= num_pages:
                 run = run_start, run_start + run_len
                 break
-        for ident in held:  # the next eviction starts past them
+        for ident in held:
             self._index.move_to_end(ident)
-        if run is None:
-            return None
-        run_start, run_end = run
-        inside = [e for e in freed if run_start <= e.first_page < run_end]
-        # A window can slide left to the start of the first piece it touches without
-        # touching more entries, so windows starting at a piece are enough to try.
-        starts = {e.first_page for e in inside}
-        starts.update(s for s, _ in self._alloc.runs_within(run_start, run_end))
-        best: list[Entry] | None = None
-        for start in sorted(starts):
-            if start + num_pages > run_end:
-                break
-            victims = [
-                e
-                for e in inside
-                if e.first_page < start + num_pages and start < e.first_page + e.num_pages
-            ]
-            if best is None or len(victims) < len(best):
-                best = victims
-        assert best is not None  # the run's first piece starts a window that fits
-        for entry in best:
-            self._detach(entry)
-            evicted.append(entry)
-        # Every other free run is shorter than num_pages (first fit failed), so this
-        # lands in the run just freed.
-        return self._alloc.alloc(num_pages)
+        return None if run is None else (freed, run)
 
     def _notify(self, entries: Sequence[Entry], reason: DropReason) -> None:
         if entries and self.on_drop is not None:
@@ -549,3 +560,29 @@ class Pool:
                 self.on_drop(entries, reason)
             except Exception:
                 logger.exception("pool drop hook failed (%s)", reason)
+
+
+def _fewest_victims(
+    freed: list[Entry], free_starts: list[int], run_start: int, run_end: int, num_pages: int
+) -> list[Entry]:
+    """The entries of ``freed`` under the window of ``num_pages`` pages in the free
+    run ``[run_start, run_end)`` that holds the fewest of them (``free_starts``: the
+    starts of the pages already free in the run)."""
+    inside = [e for e in freed if run_start <= e.first_page < run_end]
+    # A window can slide left to the start of the first piece it touches without
+    # touching more entries, so windows starting at a piece are enough to try.
+    starts = {e.first_page for e in inside}
+    starts.update(free_starts)
+    best: list[Entry] | None = None
+    for start in sorted(starts):
+        if start + num_pages > run_end:
+            break
+        victims = [
+            e
+            for e in inside
+            if e.first_page < start + num_pages and start < e.first_page + e.num_pages
+        ]
+        if best is None or len(victims) < len(best):
+            best = victims
+    assert best is not None  # the run's first piece starts a window that fits
+    return best

@@ -1,18 +1,10 @@
 """Registered worker KV caches, keyed by ``(instance_id, rank)``.
 
 ``build_registration`` validates a ``RegisterRequest`` in full (groups, layers,
-every descriptor) before it builds any view, then redeems the memfd tickets
+every descriptor) before it builds any view, then uses the redeemed memfds
 (``dataplane.fdgate``: the memory was mapped when the worker passed it) and opens
-each CUDA IPC handle (see Note [mpcache CUDA IPC invariants]).
-
-``Registry`` holds at most one registration per ``(instance_id, rank)``. Ownership:
-each registration has a secret ``token`` (returned once by ``POST /register``);
-using it (``acquire``), replacing it (``add``) or removing it (``remove``) needs
-that token, compared in constant time. Liveness: a registration made from memfds
-belongs to the socket connection its tickets came from, and ``release_connection``
-drops every registration of a closed connection (a dead worker). A replaced,
-removed or dropped registration releases its mappings as soon as no transfer is
-using it (``acquire`` counts users), so a copy in flight never loses its memory.
+each CUDA IPC handle (see Note [mpcache CUDA IPC invariants]). ``Registry`` holds
+the live ones; its docstring has the ownership and liveness rules.
 """
 
 from __future__ import annotations
@@ -45,7 +37,7 @@ from dataplane.descriptors import (
     tensor_geometry,
 )
 from dataplane.layout import BlockTensorSpec, ChunkLayout, GroupSpec, chunk_layout
-from dataplane.transfer import TensorPlan, make_plan
+from dataplane.plans import TensorPlan, make_plan
 
 __all__ = ["Registration", "Registry", "build_registration", "memfd_tickets"]
 
@@ -101,7 +93,9 @@ def build_registration(req: RegisterRequest, redeemed: Redeemed | None) -> Regis
     """Validate ``req`` and map its tensors (nothing stays mapped if anything is invalid).
 
     ``redeemed`` holds the memories of ``memfd_tickets(req)`` (``FdGate.take``); the
-    caller closes them if this raises."""
+    caller closes them if this raises. In order: the rank, the groups and layers,
+    every descriptor (``_check_tensors``), the layout; only then the memfds are
+    mapped and the CUDA handles opened (``_open``), and the plans built."""
     if req.rank >= req.world_size:
         raise InvalidRequest(
             f"rank {req.rank} is outside world_size {req.world_size}",
@@ -109,12 +103,43 @@ def build_registration(req: RegisterRequest, redeemed: Redeemed | None) -> Regis
             world_size=req.world_size,
         )
     groups = [GroupSpec(g.group_id, g.kind, g.token_span) for g in req.groups]
-    group_ids = {g.group_id for g in groups}
+    checked = _check_tensors(req, {g.group_id for g in groups})
+    specs = [t.spec for t in checked]
+    try:
+        layout = chunk_layout(req.chunk_size, groups, specs)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+    plans, mapping = _open(checked, layout, redeemed)
+    return Registration(
+        instance_id=req.instance_id,
+        rank=req.rank,
+        world_size=req.world_size,
+        namespace=req.namespace,
+        layout=layout,
+        plans=plans,
+        group_num_blocks=_group_num_blocks(len(groups), specs, layout),
+        mapping=mapping,
+    )
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """One descriptor that passed the pure checks, with what the layout needs of it."""
+
+    where: str
+    """``layer 'name' tensor i``: how messages name it."""
+    desc: MemfdTensor | CudaIpcTensor
+    geo: TensorGeometry
+    spec: BlockTensorSpec
+
+
+def _check_tensors(req: RegisterRequest, group_ids: set[int]) -> list[_Checked]:
+    """The pure checks of every layer (its name unique, its group registered) and
+    descriptor (``tensor_geometry``), in request order; every group has a layer."""
     names = [layer.name for layer in req.layers]
     if len(set(names)) != len(names):
         raise InvalidRequest("layer names must be unique within a registration")
-    specs: list[BlockTensorSpec] = []
-    checked: list[tuple[str, MemfdTensor | CudaIpcTensor, TensorGeometry]] = []
+    checked = []
     for layer in req.layers:
         if layer.group_id not in group_ids:
             raise InvalidRequest(
@@ -124,68 +149,75 @@ def build_registration(req: RegisterRequest, redeemed: Redeemed | None) -> Regis
         for t_index, desc in enumerate(layer.tensors):
             where = f"layer {layer.name!r} tensor {t_index}"
             geo = tensor_geometry(desc, where)
-            checked.append((where, desc, geo))
-            specs.append(
-                BlockTensorSpec(
-                    layer.name,
-                    layer.group_id,
-                    geo.dtype_name,
-                    geo.itemsize,
-                    geo.shape,
-                    geo.block_dim,
-                )
+            spec = BlockTensorSpec(
+                layer.name, layer.group_id, geo.dtype_name, geo.itemsize, geo.shape, geo.block_dim
             )
+            checked.append(_Checked(where, desc, geo, spec))
     empty = group_ids - {layer.group_id for layer in req.layers}
     if empty:
         raise InvalidRequest(f"groups {sorted(empty)} have no layers; register only cached groups")
-    try:
-        layout = chunk_layout(req.chunk_size, groups, specs)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc)) from exc
+    return checked
 
-    memfd = [(w, d, g) for w, d, g in checked if isinstance(d, MemfdTensor)]
+
+def _open(
+    checked: list[_Checked], layout: ChunkLayout, redeemed: Redeemed | None
+) -> tuple[tuple[TensorPlan, ...], MemfdMapping | None]:
+    """Map the memfds (each view checked against its memory), open the CUDA IPC
+    handles, and build each tensor's copy plan; on failure nothing stays mapped."""
+    memfd = [(t.where, t.desc, t.geo) for t in checked if isinstance(t.desc, MemfdTensor)]
     if memfd and redeemed is None:
         raise InvalidRequest("memfd tensors need their tickets redeemed")
     mapping = map_memfds(memfd, redeemed) if memfd and redeemed is not None else None
+    tensors: list[torch.Tensor] = []
     try:
-        tensors: list[torch.Tensor] = []
-        for where, desc, geo in checked:
-            if isinstance(desc, MemfdTensor):
-                assert mapping is not None
-                tensors.append(memfd_view(mapping.bases[desc.ticket], geo))
-            else:
-                tensors.append(cuda_ipc.rebuild(desc, geo, where))
+        tensors = [_tensor(t, mapping) for t in checked]
         plans = tuple(
-            make_plan(tensor, geo, region)
-            for tensor, (_, _, geo), region in zip(tensors, checked, layout.regions, strict=True)
+            make_plan(tensor, t.geo, region)
+            for tensor, t, region in zip(tensors, checked, layout.regions, strict=True)
         )
     except BaseException:
         if mapping is not None:
-            tensors = []
+            tensors = []  # the traceback keeps this frame: let the views go with the mapping
             mapping.close()
         raise
-    num_blocks = []
-    for g_index in range(len(groups)):
-        counts = [
+    return plans, mapping
+
+
+def _tensor(checked: _Checked, mapping: MemfdMapping | None) -> torch.Tensor:
+    """The zero-copy view of one checked descriptor, by its kind."""
+    desc = checked.desc
+    if isinstance(desc, MemfdTensor):
+        assert mapping is not None
+        return memfd_view(mapping.bases[desc.ticket], checked.geo)
+    return cuda_ipc.rebuild(desc, checked.geo, checked.where)
+
+
+def _group_num_blocks(
+    num_groups: int, specs: list[BlockTensorSpec], layout: ChunkLayout
+) -> tuple[int, ...]:
+    """Per group (layout order): the blocks every tensor of the group can index."""
+    return tuple(
+        min(
             spec.num_blocks
             for spec, region in zip(specs, layout.regions, strict=True)
             if region.group_index == g_index
-        ]
-        num_blocks.append(min(counts))
-    return Registration(
-        instance_id=req.instance_id,
-        rank=req.rank,
-        world_size=req.world_size,
-        namespace=req.namespace,
-        layout=layout,
-        plans=plans,
-        group_num_blocks=tuple(num_blocks),
-        mapping=mapping,
+        )
+        for g_index in range(num_groups)
     )
 
 
 class Registry:
-    """Thread-safe map of live registrations (see the module docstring)."""
+    """Thread-safe map of live registrations, at most one per ``(instance_id, rank)``.
+
+    Ownership: each registration has a secret ``token`` (returned once by ``POST
+    /register``); using it (``acquire``), replacing it (``add``) or removing it
+    (``remove``) needs that token, compared in constant time. Liveness: a
+    registration made from memfds belongs to the socket connection its tickets came
+    from, and ``release_connection`` drops every registration of a closed connection
+    (a dead worker). A replaced, removed or dropped registration releases its
+    mappings as soon as no transfer is using it (``acquire`` counts users), so a copy
+    in flight never loses its memory.
+    """
 
     def __init__(self) -> None:
         self._regs: dict[tuple[str, int], Registration] = {}

@@ -3,18 +3,9 @@
 A copy that goes through the cache reads every destination line before writing it
 (read-for-ownership): three memory transfers per byte instead of two. glibc's
 ``memcpy``/``memmove`` switch to non-temporal stores, which skip that read, only
-above ``glibc.cpu.x86_non_temporal_threshold``, which it derives from the cache
-size it detects; on the 2-core development VM that is 192 MiB (the hypervisor
-reports a 256 MiB shared cache), so no copy of the server ever streamed.
-numpy moves every contiguous run of blocks with one ``memmove``, so with the
-threshold at ``THRESHOLD_BYTES`` (256 KiB) a run of vLLM blocks (a chunk's 16
-blocks of 32 KiB are 512 KiB per K or V of a layer) streams, while a single
-scattered block (32 KiB), which measured slower when streamed, does not.
-
-Measured there with numpy between two shm segments, one thread, two runs each
-(GB/s): runs of 512 KiB 3.5-4.3 -> 7.7-9.3; one 256 MiB copy ~7-8 either way (it
-streams already); scattered 32 KiB blocks 5.3-6.2 -> 4.2-4.8 when streamed (hence
-the 256 KiB threshold).
+above ``TUNABLE``, which it derives from the cache size it detects: on VMs whose
+hypervisor reports a large shared cache, hundreds of MiB, so no copy of the server
+ever streamed. ``THRESHOLD_BYTES`` says why we lower it.
 
 glibc reads tunables once, at process start, so ``mpcache server`` re-executes
 itself with the tunable added to ``GLIBC_TUNABLES`` (``environment``) before it
@@ -33,6 +24,11 @@ __all__ = ["THRESHOLD_BYTES", "TUNABLE", "describe", "environment"]
 
 TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
 THRESHOLD_BYTES = 256 << 10
+"""Copies from this size stream. numpy moves every contiguous run of blocks with one
+``memmove``, so a run of vLLM blocks (a chunk's 16 blocks of 32 KiB are 512 KiB per
+K or V of a layer) streams, and runs moved faster so; a single scattered block
+(32 KiB) moved slower streamed, so it stays below. bench/dataplane_bench.py
+measures the copies through the server."""
 
 
 def _applies() -> bool:

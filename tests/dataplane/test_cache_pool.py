@@ -226,7 +226,7 @@ def test_renewals_under_a_long_lease_keep_the_deadline_heap_bounded(
     for i in range(5000):  # a request re-looked up every step for an hour's lease
         clock.now = i * 0.01
         pool.lookup([b"a"], 1, holder="r", lease_ttl_s=3600)
-    assert len(pool._deadlines) <= 2 + 1024 + 1  # stale entries dropped, not kept
+    assert len(pool._leases.deadlines) <= 2 + 1024 + 1  # stale entries dropped, not kept
     assert pool.stats().leased_keys == 1
     clock.now = 49.99 + 3600
     assert pool.stats().leased_keys == 0  # the last renewal's deadline still holds
@@ -387,3 +387,38 @@ def test_store_with_other_slots_does_not_replace_the_cached_entry(pool: Pool) ->
     pool.commit(new)
     assert pool.pin(b"x", 0, b"L", 0b101) is new
     pool.unpin(new)
+
+
+def _at_pages(*runs: tuple[int, int]) -> list[Entry]:
+    """Entries on ``(first_page, num_pages)``, oldest first."""
+    return [
+        Entry(bytes([i]), 0, b"L", 1, None, first, n, n * PAGE, first * PAGE)
+        for i, (first, n) in enumerate(runs)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("freed", "free_starts", "run", "num_pages", "victims"),
+    [
+        pytest.param([(0, 4)], [], (0, 4), 4, [0], id="the-run-is-one-entry"),
+        pytest.param(
+            [(0, 2), (2, 2), (4, 2)], [6], (0, 8), 3, [2], id="a-free-piece-saves-victims"
+        ),
+        pytest.param(
+            [(0, 1), (1, 1), (2, 1), (3, 3)], [], (0, 6), 3, [3], id="one-large-over-three"
+        ),
+        pytest.param([(9, 1), (0, 2), (2, 2)], [], (0, 4), 4, [1, 2], id="outside-the-run"),
+    ],
+)
+def test_eviction_takes_the_window_with_the_fewest_victims(
+    freed: list[tuple[int, int]],
+    free_starts: list[int],
+    run: tuple[int, int],
+    num_pages: int,
+    victims: list[int],
+) -> None:
+    from dataplane.pool import _fewest_victims
+
+    entries = _at_pages(*freed)
+    got = _fewest_victims(entries, free_starts, run[0], run[1], num_pages)
+    assert got == [entries[i] for i in victims]

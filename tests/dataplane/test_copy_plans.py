@@ -11,7 +11,8 @@ import torch
 from contract.schemas import MemfdTensor
 from dataplane.descriptors import tensor_geometry
 from dataplane.layout import BlockTensorSpec, ChunkLayout, GroupSpec, chunk_layout
-from dataplane.transfer import TensorPlan, block_runs, gather_chunk, make_plan, scatter_chunk
+from dataplane.plans import TensorPlan, make_plan
+from dataplane.transfer import block_runs, gather_chunk, scatter_chunk
 from tests.dataplane.support import streaming_kernel
 
 
@@ -245,3 +246,41 @@ def test_a_chunk_of_many_layers_lands_in_their_own_regions(threads: int, kernel:
             assert not dst[:, 0].view(torch.uint8).any()
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_the_device_path_moves_the_same_bytes(layers: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch kernels CUDA tensors use (narrowed runs, ``index_select`` on store,
+    ``index_copy_`` on retrieve), run here on CPU tensors seen as a device's: plans
+    without a numpy array take that path. Runs, scattered ids and nulls all land
+    where the numpy path puts them, and a retrieve synchronises each device once."""
+    import dataclasses
+
+    synced: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+
+    def device_plan(t: torch.Tensor) -> TensorPlan:
+        plan = _plan_for(t, 1)[0]
+        return dataclasses.replace(plan, array=None, rows=None, region_rows=None)
+
+    gen = torch.Generator().manual_seed(layers)
+    srcs = [torch.randn(2, 12, 16, 2, 8, generator=gen).bfloat16() for _ in range(layers)]
+    dsts = [torch.zeros_like(t) for t in srcs]
+    layout = _plan_for(srcs[0], 1)[1]
+    for store_ids, load_ids in ID_PAIRS:
+        for d in dsts:
+            d.zero_()
+        synced.clear()
+        for src, dst in zip(srcs, dsts, strict=True):
+            entry = torch.zeros(layout.chunk_bytes, dtype=torch.uint8)
+            want = torch.zeros_like(entry)
+            gather_chunk([_plan_for(src, 1)[0]], [np.array(store_ids)], want)
+            copied = gather_chunk([device_plan(src)], [np.array(store_ids)], entry)
+            assert copied == layout.regions[0].nbytes and torch.equal(entry, want)
+            written = scatter_chunk([device_plan(dst)], [np.array(load_ids)], entry)
+            assert written == copied // 4 * sum(1 for b in load_ids if b)
+            for a, b in zip(store_ids, load_ids, strict=True):
+                if a and b:
+                    assert torch.equal(src[:, a].view(torch.uint8), dst[:, b].view(torch.uint8))
+            assert not dst[:, 0].view(torch.uint8).any()
+        assert synced == [torch.device("cpu")] * layers
