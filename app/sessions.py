@@ -113,12 +113,6 @@ class SessionManager:
         with self._lock:
             return len(self._sessions)
 
-    @property
-    def charged_bytes(self) -> int:
-        """Memory the live sessions are charged for (at most ``max_bytes``)."""
-        with self._lock:
-            return self._bytes
-
     def keys_for(
         self,
         request_id: str,
@@ -254,10 +248,6 @@ class SessionManager:
         have = session.charged_bytes if live else 0
         count = len(self._sessions) + (0 if live else 1)
         return self._bytes - have + need <= self._max_bytes and count <= self._max_sessions
-
-    def get(self, request_id: str) -> Session | None:
-        with self._lock:
-            return self._sessions.get(request_id)
 
     def end(self, request_ids: Iterable[str]) -> int:
         ended = 0
