@@ -1,6 +1,9 @@
 """The chunk-size binding pipeline (docs/design.md s.2.2 rule 4).
 
-Selecting a size binds it, in order, to every chunk-dependent part. Each binding
+Selecting a size binds it, in order, to every chunk-dependent part: each binding
+does what its part needs for that size (check it can serve it, refuse it under live
+sessions, publish it, join the deployment with it); operations never ask a part
+for the size, ``app.chunk_size.ChunkSizeAuthority`` alone holds it. Each binding
 runs at most once per selected size: after a failure the next ``run`` resumes at
 the first binding that did not complete, and completed ones are not run again.
 Only ``reset`` (a re-selection before the size is final) makes them pending again.

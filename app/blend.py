@@ -2,8 +2,8 @@
 
 Unlike the prefix chain, a content key depends only on a chunk's own tokens
 (``TokenHasher.content_keys``), so a chunk reused at another position (a retrieved
-document placed elsewhere in a prompt) is still found. Bound to the chunk size like
-the other bindings; while disabled its binding reads ``disabled``.
+document placed elsewhere in a prompt) is still found. Its binding (``bind``) forgets
+the keys of any earlier size; while disabled it reads ``disabled``.
 """
 
 from __future__ import annotations
@@ -17,19 +17,14 @@ __all__ = ["BlendMatcher"]
 class BlendMatcher:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self._chunk_size: int | None = None
         self._refs: Counter[bytes] = Counter()
         self._lock = threading.Lock()
 
-    @property
-    def chunk_size(self) -> int | None:
-        return self._chunk_size
-
     def bind(self, chunk_size: int) -> None:
+        """The ``blend_matcher`` binding. A binding runs once per selected size, so any
+        key held now is of another size (content keys are seeded with it): drop them."""
         with self._lock:
-            if self._chunk_size != chunk_size:
-                self._refs.clear()
-            self._chunk_size = chunk_size
+            self._refs.clear()
 
     def add(self, content_key: bytes) -> None:
         with self._lock:

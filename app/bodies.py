@@ -2,25 +2,14 @@
 
 Why (docs/design.md s.4.1): the event loop that reads bodies also answers
 ``/health``, and every connector's heartbeat marks the server down when a ping
-takes longer than its timeout (2 s by default). Two things used to stall it:
-
-- **Size.** A body of any size was buffered whole. ``BodyLimit`` (pure ASGI
-  middleware) refuses one larger than ``--max-body-size`` with 413: at once when
-  its ``Content-Length`` says so, and otherwise (chunked, or a length that lies)
-  as soon as the bytes received pass the limit, so the server never holds more
-  than the limit plus uvicorn's read buffer of any body.
-- **Decoding.** Parsing and validating JSON holds the GIL for the whole call
-  (pydantic-core and ``json`` never release it), so a thread pool does not help:
-  a 24 MB list of token ids held it for ~0.9 s on the 2-core VM. Bodies larger
-  than ``INLINE_BODY_BYTES`` are therefore decoded in a helper process
-  (``BodyParser``), which sends back a compact model: token ids (JSON list or
-  base64) already decoded into int32 arrays (``TokenSpan.with_decoded``) and
-  block-id lists as int64 arrays, each a memcpy to unpickle. Smaller bodies (at
-  most ~10 ms of parsing) are decoded in place.
+takes longer than its timeout. A body of any size would be buffered whole
+(``BodyLimit`` refuses one over ``--max-body-size`` as it streams in), and parsing
+JSON holds the GIL for the whole call (``BodyParser`` decodes large bodies in a
+helper process). ``bench/health_under_body_bench.py`` measures both.
 
 Every route that takes a JSON body reads it with ``read_json``: malformed JSON,
 bytes that are not UTF-8, and a body that does not fit the model are each a 422
-problem, another media type a 415.
+problem, another media type a 415; a bad token field is a 422 of ``span_tokens``.
 """
 
 from __future__ import annotations
@@ -45,13 +34,21 @@ from contract.errors import PayloadTooLarge, Unavailable, UnsupportedMediaType
 from contract.schemas import TokenSpan, TransferItem
 from dataplane import libc
 
-__all__ = ["INLINE_BODY_BYTES", "BodyLimit", "BodyParser", "json_body_doc", "read_json"]
+__all__ = [
+    "INLINE_BODY_BYTES",
+    "BodyLimit",
+    "BodyParser",
+    "is_json",
+    "json_body_doc",
+    "read_json",
+    "span_tokens",
+]
 
 M = TypeVar("M", bound=BaseModel)
 
 INLINE_BODY_BYTES = 64 << 10
-"""Bodies up to this size are decoded on the event loop: at most ~30k JSON values,
-a few ms of parsing. Larger ones go to the helper process."""
+"""Bodies up to this size (at most ~30k JSON values) are decoded on the event loop,
+where parsing them is short; larger ones go to the helper process."""
 
 
 def _too_large(limit: int, received: int | None) -> PayloadTooLarge:
@@ -67,10 +64,12 @@ def _too_large(limit: int, received: int | None) -> PayloadTooLarge:
 class BodyLimit:
     """Refuse request bodies over the runtime's ``max_body_size`` with 413.
 
-    The limit is read from ``app.state.runtime`` (built by the lifespan) on each
-    request. A declared ``Content-Length`` over the limit is refused before any of
-    the body is read; otherwise bytes are counted as the app receives them and the
-    read that passes the limit raises ``PayloadTooLarge``, which the app's error
+    Pure ASGI middleware, so the server never holds more than the limit plus
+    uvicorn's read buffer of any body. The limit is read from ``app.state.runtime``
+    (built by the lifespan) on each request. A declared ``Content-Length`` over the
+    limit is refused before any of the body is read; otherwise (chunked, or a length
+    that lies) bytes are counted as the app receives them and the read that passes
+    the limit raises ``PayloadTooLarge``, which the app's error
     handlers turn into the 413 problem.
     """
 
@@ -162,6 +161,12 @@ def _decode(model: type[BaseModel], raw: bytes) -> tuple[bool, Any]:
 class BodyParser:
     """Decodes large bodies in one helper process, started on first use.
 
+    Parsing and validating JSON holds the GIL for the whole call (pydantic-core and
+    ``json`` never release it), so a thread pool would not keep it off the event
+    loop. The helper sends back a compact model: token ids (JSON list or base64)
+    already decoded into int32 arrays (``TokenSpan.with_decoded``) and block-id lists
+    as int64 arrays, each a memcpy to unpickle.
+
     One process is enough: its job is to keep the GIL-bound parse away from the
     event loop, not to parse faster; bodies queue behind each other there. If the
     helper dies, the call is answered 503 and the next one starts a new helper.
@@ -202,8 +207,22 @@ class BodyParser:
             executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _is_json(media_type: str) -> bool:
+def is_json(media_type: str) -> bool:
+    """``media_type`` (lower case, no parameters) is read as JSON; none at all is too."""
     return media_type in ("", "application/json") or media_type.endswith("+json")
+
+
+def span_tokens(span: TokenSpan, where: str) -> np.ndarray:
+    """The span's token ids as int32: the one place a bad token field (base64 that
+    does not decode, a ragged length, a negative id) becomes a 422, the same
+    malformed-request problem as a token list the model refuses. ``where`` (the
+    item's request id) names the item in the problem's ``errors``."""
+    try:
+        return span.token_array()
+    except ValueError as exc:
+        raise RequestValidationError(
+            [{"loc": ("body", where), "msg": f"bad tokens: {exc}", "type": "value_error"}]
+        ) from exc
 
 
 async def read_json(request: Request, model: type[M]) -> M:
@@ -212,7 +231,7 @@ async def read_json(request: Request, model: type[M]) -> M:
     Small bodies are decoded here, large ones by the runtime's ``BodyParser``.
     """
     media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if not _is_json(media_type):
+    if not is_json(media_type):
         raise UnsupportedMediaType(
             f"this route takes application/json, not {media_type}", media_type=media_type
         )

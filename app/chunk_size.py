@@ -1,8 +1,9 @@
 """The server's one chunk size: selection, bindings and reads, serialised.
 
-``ChunkSizeAuthority`` is the only owner of the negotiated size. Negotiations are
+``ChunkSizeAuthority`` is the only holder of the negotiated size. Negotiations are
 serialised by a lock, so concurrent callers see one consistent answer; reads
-(``snapshot``) never select or freeze anything.
+(``snapshot``, ``state``) never select or freeze anything. Every cache operation
+takes the size once, from ``final()``, and hands it down as an argument.
 """
 
 from __future__ import annotations
@@ -20,13 +21,22 @@ from contract.errors import (
     IncompatibleAlignment,
     InvalidRequest,
     MPCacheError,
+    NotNegotiated,
     ResizeAfterSessions,
 )
 from contract.schemas import BindingStatus
 
-__all__ = ["ChunkSizeAuthority", "ChunkSizeSnapshot"]
+__all__ = ["ChunkSizeAuthority", "ChunkSizeSnapshot", "FinalChunkSize"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FinalChunkSize:
+    """The chunk size once every binding succeeded: it never changes for this process."""
+
+    chunk_size: int
+    """Tokens per chunk."""
 
 
 @dataclass(frozen=True)
@@ -48,13 +58,25 @@ class ChunkSizeAuthority:
         self._live_sessions = live_sessions
         self._telemetry = telemetry
         self._state = ChunkSizeState()
+        self._final: FinalChunkSize | None = None
         self._lock = threading.Lock()
 
-    @property
-    def final_size(self) -> int | None:
-        """The chunk size once every binding succeeded, else None."""
-        state = self._state
-        return state.selected if state.final else None
+    def final(self, *, before: str = "") -> FinalChunkSize:
+        """The final chunk size, or ``NotNegotiated`` (409) until every binding succeeded:
+        the one guard every operation passes, once per request. ``before`` names what
+        the caller was about to do, for the message (e.g. "registering KV caches").
+
+        Read without the lock: the value is set once, after the bindings, and never
+        replaced, so a request never waits on a negotiation that runs its bindings."""
+        final = self._final
+        if final is None:
+            if before:
+                raise NotNegotiated(
+                    f"this server has no final chunk size yet; negotiate (POST /negotiate) "
+                    f"before {before}"
+                )
+            raise NotNegotiated("no chunk size is final yet; negotiate first (POST /negotiate)")
+        return final
 
     @property
     def state(self) -> ChunkSizeState:
@@ -89,6 +111,7 @@ class ChunkSizeAuthority:
                 self._state = decision.state
                 if not self._state.final:
                     self._pipeline.run(decision.chunk_size)
+                    self._final = FinalChunkSize(decision.chunk_size)
                     self._state = replace(self._state, final=True)
                     logger.info(
                         "chunk size %d is final (alignments %s, minimum %d; bound to %s); "

@@ -234,9 +234,10 @@ def _read_request_bodies_whole() -> None:
 
     At its 64 KiB high-water mark uvicorn stops reading the socket until the app has
     taken what it holds, so a body arrives in rounds through the event loop: a
-    1 MiB lookup frame (a burst of 64 new 4k-token requests) took ~5 ms to arrive on
-    the 2-core VM where the socket moves it in 0.5 ms; with the limit above the body
-    it takes ~2.4 ms. uvicorn has no setting for it, so the constant its protocol
+    1 MiB lookup frame (a burst of 64 new 4k-token requests) then takes several
+    times longer to arrive than the socket needs to move it
+    (``bench/scheduler_burst_bench.py`` measures the burst). uvicorn has no setting
+    for it, so the constant its protocol
     modules import is raised here, for this server only (plain ``uvicorn
     app.main:app`` keeps uvicorn's default). The bound per connection stays.
     """

@@ -2,31 +2,10 @@
 
 Two implementations of one ``Coordinator`` protocol (join with the bound chunk size
 as the last binding of ``app.bindings``, leave at shutdown, report status):
-
-- ``StandaloneCoordinator`` (no ``--coordinator-url``): no peers; joining records the
-  membership locally and succeeds.
-- ``RedisCoordinator``: the servers of one ``--deployment`` share a Redis/Valkey.
-  Keys, all under one hash tag so a Redis Cluster keeps them in one slot::
-
-      mpcache:{<deployment>}:chunk-size    the deployment's final chunk size
-      mpcache:{<deployment>}:members       sorted set: member id -> expiry (ms, Redis clock)
-      mpcache:{<deployment>}:member-info   hash: member id -> JSON (host, port, size, ...)
-
-  Each step is one Lua script, so it is atomic on the Redis side. ``join`` publishes
-  the size if none is published (the first final size wins) and succeeds only when
-  its own size equals the published one; otherwise it raises ``DeploymentConflict``
-  naming both sizes (the binding fails; the negotiation answers 503 and the next one
-  retries this binding). Membership carries a TTL (``--membership-ttl-s``) that a
-  background thread renews every third of it, re-publishing the size if Redis lost
-  it (a restart without persistence); the published size expires three TTLs after
-  its last live member renewed it, and is removed when the last member leaves, so
-  an emptied deployment may start over with another size.
-
-Faults (docs/design.md s.7): Redis down at start is refused by ``connect`` (the
-caller falls back to standalone under ``--coordinator-optional``); down at
-negotiation time fails the binding (retried), or under ``--coordinator-optional``
-joins locally and verifies when Redis answers; down later only marks the state
-``down`` (``/health``, ``mpcache_coordinator_up``) until a renewal succeeds again.
+``StandaloneCoordinator`` (no ``--coordinator-url``: no peers, joining records the
+membership locally and succeeds) and ``RedisCoordinator`` (the servers of one
+``--deployment`` share a Redis/Valkey; its keys and its faults are on the class,
+docs/design.md s.7).
 """
 
 from __future__ import annotations
@@ -197,7 +176,30 @@ return {redis.call('GET', KEYS[1]) or '', now, live, infos}
 
 
 class RedisCoordinator:
-    """Membership of one deployment in Redis (see the module docstring)."""
+    """Membership of one deployment in Redis.
+
+    Keys, all under one hash tag so a Redis Cluster keeps them in one slot::
+
+        mpcache:{<deployment>}:chunk-size    the deployment's final chunk size
+        mpcache:{<deployment>}:members       sorted set: member id -> expiry (ms, Redis clock)
+        mpcache:{<deployment>}:member-info   hash: member id -> JSON (host, port, size, ...)
+
+    Each step is one Lua script, so it is atomic on the Redis side. ``join`` publishes
+    the size if none is published (the first final size wins) and succeeds only when
+    its own size equals the published one; otherwise it raises ``DeploymentConflict``
+    naming both sizes (the binding fails; the negotiation answers 503 and the next one
+    retries this binding). Membership carries a TTL (``--membership-ttl-s``) that a
+    background thread renews every third of it, re-publishing the size if Redis lost
+    it (a restart without persistence); the published size expires three TTLs after
+    its last live member renewed it, and is removed when the last member leaves, so
+    an emptied deployment may start over with another size.
+
+    Faults: Redis down at start is refused by ``connect`` (the caller falls back to
+    standalone under ``--coordinator-optional``); down at negotiation time fails the
+    binding (retried), or under ``--coordinator-optional`` joins locally and verifies
+    when Redis answers; down later only marks the state ``down`` (``/health``,
+    ``mpcache_coordinator_up``) until a renewal succeeds again.
+    """
 
     def __init__(
         self,

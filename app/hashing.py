@@ -5,42 +5,8 @@ chunk i)``, over the little-endian int32 token bytes, so a key names its whole
 prefix. The seed binds model identity/layout (``namespace``), ``cache_salt`` and the
 chunk size, so chunks of different namespaces, salts or chunk sizes never share a
 key. A partial trailing chunk gets no key. ``content_keys`` is the
-position-independent hash of one chunk's tokens (CacheBlend).
-
-**The loop.** Where ``app.keychain``'s C loop builds and agrees with the Python
-loop below, the server hashes with it: the same keys, byte for byte, without the
-interpreter's work per chunk.
-
-**Which H.** A lookup hashes every chunk of the prompt, one short input (1 KiB for
-256 tokens, plus the 16-byte previous key) at a time, so the per-call cost of the
-binding matters as much as the hash's speed. ``bench/hash_bench.py`` measures the
-candidates on the same bytes (a 32k-token prompt, 128 chunks; 2-core AMD EPYC with
-SHA-NI; median of 7 interleaved rounds, us per prompt): XXH3-128 91, SHA-256 303,
-BLAKE3 426, BLAKE2b-128 464 (another run, on a faster moment of the VM: 46, 190,
-286, 272). The cryptographic ones are all 3-5x slower, BLAKE3 because its speed is
-SIMD over long inputs and 1 KiB is a single chunk of it. H is **XXH3-128 keyed
-with a per-server secret seed**.
-
-**Why that is safe for a shared cache.** Keys decide whose KV cache a request
-loads, and tenants choose their prompts' token ids, so a tenant who could make a
-chunk key collide with another's prefix could serve that prefix its own KV
-(corrupting the victim's output). 128 bits put accidental and generic (birthday)
-collisions out of reach (2^64 work), but an unkeyed non-cryptographic hash such as
-XXH3 has exploitable structure: with its public default secret an attacker can
-choose inputs whose stripes cancel and collide offline, which is why vLLM warns
-that its own xxhash prefix-cache option is for trusted tenants only. Keyed with a
-secret 64-bit seed drawn from ``secrets`` when the server starts, every stripe's
-multiply depends on the unknown secret, so collisions can no longer be computed
-offline; and the keys never leave the server (a lookup answers a hit count, not
-keys), so the only oracle is "hit or miss" on full 128-bit keys, which leaks
-nothing about the seed short of a collision. What remains is a heuristic property
-(XXH3 has no proof of being a PRF), not a cryptographic one. Deployments that
-must not rely on it separate tenants with vLLM's ``cache_salt`` (part of every
-key's seed), which makes cross-tenant sharing, and so cross-tenant collisions,
-impossible by construction. The price of the secret: keys differ between server
-processes (the pool is not persistent, so nothing is lost), except with the shared
-L2 tier (docs/design.md s.7), whose servers share one seed through Redis
-(``app.l2.L2Tier.connect``): there the seed is as secret as Redis is.
+position-independent hash of one chunk's tokens (CacheBlend). Which H, and why it is
+safe for a shared cache: ``TokenHasher``.
 """
 
 from __future__ import annotations
@@ -52,7 +18,6 @@ import numpy as np
 import xxhash
 
 from app.keychain import KeyChain
-from contract.errors import NotNegotiated
 from contract.tokens import TOKEN_DTYPE
 
 __all__ = ["KEY_BYTES", "TokenHasher"]
@@ -67,17 +32,46 @@ def _as_tokens(tokens: np.ndarray | Sequence[int]) -> np.ndarray:
 
 
 class TokenHasher:
-    """Computes chunk keys for one chunk size; usable once ``bind`` has run.
+    """Computes chunk keys; the chunk size is the caller's (the negotiated one).
 
     ``seed``: the secret key of H (a 64-bit integer); by default a fresh random one,
     so keys are the same for the life of this hasher, in any thread, and unrelated
     across server processes. Equal seeds give equal keys in every process.
     ``chain``: the C loop for prefix keys (``app.keychain``, checked at its load to
-    give the Python loop's keys); without it the keys are hashed in Python.
+    give the Python loop's keys byte for byte, without the interpreter's work per
+    chunk); without it the keys are hashed in Python.
+
+    **Which H.** A lookup hashes every chunk of the prompt, one short input (1 KiB for
+    256 tokens, plus the 16-byte previous key) at a time, so the per-call cost of the
+    binding matters as much as the hash's speed. ``bench/hash_bench.py`` measures the
+    candidates on the same bytes (XXH3-128, SHA-256, BLAKE3, BLAKE2b-128): the
+    cryptographic ones are all several times slower, BLAKE3 because its speed is SIMD
+    over long inputs and 1 KiB is a single chunk of it. H is **XXH3-128 keyed with a
+    per-server secret seed**.
+
+    **Why that is safe for a shared cache.** Keys decide whose KV cache a request
+    loads, and tenants choose their prompts' token ids, so a tenant who could make a
+    chunk key collide with another's prefix could serve that prefix its own KV
+    (corrupting the victim's output). 128 bits put accidental and generic (birthday)
+    collisions out of reach (2^64 work), but an unkeyed non-cryptographic hash such as
+    XXH3 has exploitable structure: with its public default secret an attacker can
+    choose inputs whose stripes cancel and collide offline, which is why vLLM warns
+    that its own xxhash prefix-cache option is for trusted tenants only. Keyed with a
+    secret 64-bit seed drawn from ``secrets`` when the server starts, every stripe's
+    multiply depends on the unknown secret, so collisions can no longer be computed
+    offline; and the keys never leave the server (a lookup answers a hit count, not
+    keys), so the only oracle is "hit or miss" on full 128-bit keys, which leaks
+    nothing about the seed short of a collision. What remains is a heuristic property
+    (XXH3 has no proof of being a PRF), not a cryptographic one. Deployments that
+    must not rely on it separate tenants with vLLM's ``cache_salt`` (part of every
+    key's seed), which makes cross-tenant sharing, and so cross-tenant collisions,
+    impossible by construction. The price of the secret: keys differ between server
+    processes (the pool is not persistent, so nothing is lost), except with the shared
+    L2 tier (docs/design.md s.7), whose servers share one seed through Redis
+    (``app.l2.L2Tier.connect``): there the seed is as secret as Redis is.
     """
 
     def __init__(self, seed: int | None = None, *, chain: KeyChain | None = None) -> None:
-        self._chunk_size: int | None = None
         self._chain = chain  # the C loop (``app.keychain``), or None: the Python one
         self._key = secrets.randbits(64) if seed is None else seed
         # Seeds by (kind, namespace, salt, chunk size): one per tenant and model,
@@ -86,16 +80,12 @@ class TokenHasher:
         if not 0 <= self._key < 2**64:
             raise ValueError("the hash seed must be a 64-bit unsigned integer")
 
-    @property
-    def chunk_size(self) -> int:
-        if self._chunk_size is None:
-            raise NotNegotiated("the token hasher has no chunk size yet; negotiate first")
-        return self._chunk_size
-
     def bind(self, chunk_size: int) -> None:
+        """The ``token_hasher`` binding: check this hasher can key chunks of that size.
+
+        It keeps no size: every call is given the negotiated one."""
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        self._chunk_size = chunk_size
 
     def _seed(self, kind: bytes, namespace: str, cache_salt: str | None, size: int) -> bytes:
         memo = (kind, namespace, cache_salt, size)
@@ -123,14 +113,15 @@ class TokenHasher:
         cache_salt: str | None,
         tokens: np.ndarray | Sequence[int],
         *,
+        chunk_size: int,
         known: Sequence[bytes] = (),
     ) -> list[bytes]:
-        """Keys of every whole chunk of ``tokens``.
+        """Keys of every whole chunk of ``chunk_size`` tokens of ``tokens``.
 
         ``known`` are keys already computed for a prefix of the same tokens (a
         session's cache); they are reused, and only later chunks are hashed.
         """
-        size = self.chunk_size
+        size = chunk_size
         if type(tokens) is np.ndarray and tokens.dtype == TOKEN_DTYPE and tokens.flags.c_contiguous:
             arr = tokens  # a lookup's ids as they came: no conversion call
         else:
@@ -151,10 +142,15 @@ class TokenHasher:
         return keys
 
     def content_keys(
-        self, namespace: str, cache_salt: str | None, tokens: np.ndarray | Sequence[int]
+        self,
+        namespace: str,
+        cache_salt: str | None,
+        tokens: np.ndarray | Sequence[int],
+        *,
+        chunk_size: int,
     ) -> list[bytes]:
         """Position-independent key of each whole chunk (same tokens, same key)."""
-        size = self.chunk_size
+        size = chunk_size
         arr = _as_tokens(tokens)
         seed = self._seed(b"content", namespace, cache_salt, size)
         raw = arr[: (len(arr) // size) * size].tobytes()

@@ -1,31 +1,12 @@
-"""The server process keeps the memory it frees (glibc ``mallopt``), so that a hot
-route does not fault the same pages in on every call.
+"""The server process keeps the memory it frees, and its startup objects out of the
+garbage collector's walks, so a hot route neither faults the same pages in on every
+call nor waits on a full collection.
 
-A binary lookup of a burst of 64 new 4k-token requests moves a 1 MiB body: uvicorn,
-h11 and the frame reader each buffer pieces of it, and the token copies follow.
-With glibc's defaults, a freed block above the mmap threshold goes back to the OS
-at once, and so does the free top of the heap past the trim threshold: the next
-call maps and faults the same pages in again. Measured on the 2-core VM with
-``bench/lookup_heap_bench.py``: ~450 minor page faults per such lookup, and about
-1 with the settings below; the call then takes 0.61-0.82 of the time (medians of
-two runs).
-
-``keep_freed_memory`` raises both thresholds (fixing them also stops glibc's
-dynamic threshold from moving): blocks under ``MMAP_THRESHOLD_BYTES`` come from
-the heap, and up to ``TRIM_THRESHOLD_BYTES`` of free heap stay mapped for the
-next call. That bounds what the server holds beyond its live data, next to a
-cache pool of gigabytes. Where the C library is not glibc it does nothing.
-
-``freeze_startup_objects`` is the same idea for Python's cyclic garbage collector:
-the server's imports (torch, numpy, FastAPI, pydantic) and its runtime leave
-several hundred thousand objects alive for the life of the process, and every
-full collection walks all of them again. One such collection landed inside a burst
-lookup on the 2-core VM and held the event loop for ~200 ms. Once started, the
-server freezes every object alive (``gc.freeze``, after collecting the young
-generations' garbage): later collections walk only what was made since. It hands
-them back to the collector when it stops, so an app run in a host's process (a
-test client) leaves nothing frozen behind. ``bench/gc_pause_bench.py`` measures a
-full collection of the server's objects both ways.
+``keep_freed_memory`` tunes glibc's ``mallopt`` thresholds (``bench/lookup_heap_bench.py``
+measures a burst lookup's page faults both ways); ``freeze_startup_objects`` freezes
+what the imports and the runtime leave alive (``bench/gc_pause_bench.py`` measures
+a full collection both ways). Where the C library is not glibc the first does
+nothing.
 """
 
 from __future__ import annotations
@@ -57,7 +38,19 @@ _M_MMAP_THRESHOLD = -3
 
 
 def keep_freed_memory() -> bool:
-    """Set glibc's thresholds for this process; False where that is not possible."""
+    """Set glibc's thresholds for this process; False where that is not possible.
+
+    A binary lookup of a burst of 64 new 4k-token requests moves a 1 MiB body:
+    uvicorn, h11 and the frame reader each buffer pieces of it, and the token copies
+    follow. With glibc's defaults, a freed block above the mmap threshold goes back
+    to the OS at once, and so does the free top of the heap past the trim
+    threshold: the next call maps and faults the same pages in again. Both
+    thresholds are raised here (fixing them also stops glibc's dynamic threshold
+    from moving): blocks under ``MMAP_THRESHOLD_BYTES`` come from the heap, and up
+    to ``TRIM_THRESHOLD_BYTES`` of free heap stay mapped for the next call. That
+    bounds what the server holds beyond its live data, next to a cache pool of
+    gigabytes.
+    """
     mallopt = libc.function("mallopt", ctypes.c_int, ctypes.c_int, ctypes.c_int)
     if mallopt is None or libc.function("gnu_get_libc_version", ctypes.c_char_p) is None:
         logger.debug("not glibc: the heap keeps the C library's defaults")
@@ -71,8 +64,17 @@ def keep_freed_memory() -> bool:
 
 def freeze_startup_objects() -> int:
     """Keep every object alive now out of later collections; returns how many are
-    frozen. The young generations are collected first (a full collection would
-    cost the walk this saves, ~200 ms at startup)."""
+    frozen.
+
+    The server's imports (torch, numpy, FastAPI, pydantic) and its runtime leave
+    several hundred thousand objects alive for the life of the process, and every
+    full collection walks all of them again, holding the event loop (one such
+    collection inside a burst lookup is what this prevents). Once started, the
+    server freezes every object alive (``gc.freeze``): later collections walk only
+    what was made since. The young generations are collected first (a full
+    collection would cost the walk this saves). ``unfreeze_objects`` hands them back
+    when the server stops, so an app run in a host's process (a test client) leaves
+    nothing frozen behind."""
     gc.collect(1)
     gc.freeze()
     return gc.get_freeze_count()

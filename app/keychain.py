@@ -4,9 +4,8 @@ The prefix chain ``key_i = XXH3-128(key_{i-1} || chunk i)`` is most of the serve
 own work in a lookup: in Python each chunk costs a slice, a concatenation, a call
 and an append around a short hash. ``keychain.c`` runs that loop in C,
 calling python-xxhash's own ``XXH3_128bits_withSeed`` (found by address in its
-extension module), so the keys are those of the Python loop, byte for byte. On the
-2-core VM it hashes a 32k-token prompt (128 chunks) in about a third of the Python
-loop's time (``bench/hash_bench.py`` prints both).
+extension module), so the keys are those of the Python loop, byte for byte, without
+the interpreter's work per chunk (``bench/hash_bench.py`` times both loops).
 
 ``load`` builds it with ``contract.kernels`` (compiled once per source, cached) and
 checks it against the Python chain on a probe before anyone uses it;

@@ -1,29 +1,13 @@
 """The shared L2 tier on Redis/Valkey (``--l2-url``), behind every server's L1 pool.
 
 Write-behind: a chunk committed to L1 is queued (``enqueue``, never blocking the
-store; a full queue or an unreachable Redis drops it, counted in
-``mpcache_l2_writes_total``) and one writer thread copies it out of the pool (pinned
-while copied) and ``SET``s it. Reads: a lookup counts the chunks that L1 lacks and
-L2 holds (``count_leading``, one pipelined round trip); a retrieve that misses L1
-fetches the chunk (``fetch``), checks it (``decode_value``) and promotes it into L1
-(``app.service``). Eviction is Redis's own: run it with a ``maxmemory`` and
-``maxmemory-policy allkeys-lru`` (README "Running on many nodes").
-
-Keys name everything that makes a chunk valid (``l2_key``)::
-
-    mpcache:l2:v1:<deployment>:<namespace hash>:<chunk size>:<layout hash>:
-        <world size>:<rank>:<chunk key>          (one key, split here)
-
-(the layout hash covers dtypes and tensor shapes; the chunk key, a keyed hash of the
-prefix, already covers namespace, cache salt and chunk size, and differs unless the
-servers share the hash seed, published by the first server as
-``mpcache:{<deployment>}:hash-seed``). Values are versioned, sized and checksummed
-(``encode_value``); a value that fails any check is deleted and counted
-``corrupt``, never served.
-
-Faults: any Redis error marks the tier ``down`` (``mpcache_l2_up`` 0, ``/health``);
-while down, lookups and retrieves are L1-only and writes are dropped; the writer
-thread probes Redis every ``PROBE_INTERVAL_S`` and marks it ``up`` when it answers.
+store) and one writer thread copies it out of the pool and ``SET``s it. Reads: a
+lookup counts the chunks that L1 lacks and L2 holds (``count_leading``, one
+pipelined round trip, ``app.lookup``); a retrieve that misses L1 fetches the chunk
+(``fetch``), checks it (``decode_value``) and promotes it into L1 (``app.retrieve``).
+Eviction is Redis's own: run it with a ``maxmemory`` and ``maxmemory-policy
+allkeys-lru``. Keys: ``l2_key``; values: ``encode_header`` and ``decode_value``;
+faults: ``L2Tier``.
 """
 
 from __future__ import annotations
@@ -88,7 +72,17 @@ def l2_key(
     rank: int,
     chunk_key: bytes,
 ) -> bytes:
-    """The Redis key of one chunk of one rank (module docstring)."""
+    """The Redis key of one chunk of one rank: it names everything that makes the chunk
+    valid::
+
+        mpcache:l2:v1:<deployment>:<namespace hash>:<chunk size>:<layout hash>:
+            <world size>:<rank>:<chunk key>          (one key, split here)
+
+    The layout hash covers dtypes and tensor shapes; the chunk key, a keyed hash of
+    the prefix, already covers namespace, cache salt and chunk size, and differs
+    unless the servers share the hash seed, published by the first server as
+    ``mpcache:{<deployment>}:hash-seed`` (``L2Tier.connect``).
+    """
     return (
         f"mpcache:l2:v{FORMAT_VERSION}:{deployment}:{_short_hash(namespace.encode())}:"
         f"{chunk_size}:{_short_hash(layout)}:{world_size}:{rank}:{chunk_key.hex()}"
@@ -100,7 +94,10 @@ def _present_bytes(present: int) -> bytes:
 
 
 def encode_header(chunk_key: bytes, rank: int, layout: bytes, present: int) -> bytes:
-    """The header of a value whose checksum and payload length are filled in later."""
+    """The header of a value whose checksum and payload length are filled in later.
+
+    Values are versioned, sized and checksummed; a value that fails any check of
+    ``decode_value`` is deleted and counted ``corrupt``, never served."""
     mask = _present_bytes(present)
     return _HEADER.pack(MAGIC, FORMAT_VERSION, len(mask), rank, 0, 0, chunk_key, layout) + mask
 
@@ -164,7 +161,14 @@ class WriteJob:
 
 
 class L2Tier:
-    """Write-behind and reads of one deployment's L2 (see the module docstring)."""
+    """Write-behind and reads of one deployment's L2 (see the module docstring).
+
+    A full queue or an unreachable Redis drops a write, counted in
+    ``mpcache_l2_writes_total``. Faults: any Redis error marks the tier ``down``
+    (``mpcache_l2_up`` 0, ``/health``); while down, lookups and retrieves are L1-only
+    and writes are dropped; the writer thread probes Redis every
+    ``PROBE_INTERVAL_S`` and marks it ``up`` when it answers.
+    """
 
     def __init__(
         self,
@@ -239,6 +243,26 @@ class L2Tier:
 
     def queued(self) -> int:
         return self._queue.qsize()
+
+    def key(
+        self,
+        namespace: str,
+        chunk_size: int,
+        layout: bytes,
+        world_size: int,
+        rank: int,
+        chunk_key: bytes,
+    ) -> bytes:
+        """``l2_key`` of one chunk of one rank in this tier's deployment."""
+        return l2_key(
+            deployment=self.deployment,
+            namespace=namespace,
+            chunk_size=chunk_size,
+            layout=layout,
+            world_size=world_size,
+            rank=rank,
+            chunk_key=chunk_key,
+        )
 
     # ------------------------------------------------------------------ writes
 

@@ -1,7 +1,8 @@
 """Lookup areas: shared memory a client writes its lookups' token ids into.
 
 A binary lookup carries a burst's ids in its body (1 MiB for 64 prompts of 4k
-tokens), and reading that through uvicorn and h11 is a third of the burst's time.
+tokens), and reading that through uvicorn and h11 is a large share of the burst's
+time (``bench/scheduler_burst_bench.py`` measures it with and without an area).
 A client on this host can instead register an area (``POST /cache/lookup-areas``):
 a memfd sealed against shrinking and growing, passed over the registration socket
 (``app.routes.register``, ``dataplane.fdgate``) like a KV cache. It writes each

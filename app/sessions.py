@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from app.hashing import TokenHasher
-from contract.errors import InvalidRequest, NotNegotiated, SessionsFull
+from contract.errors import InvalidRequest, SessionsFull
 from contract.tokens import TOKEN_DTYPE
 
 __all__ = ["Session", "SessionManager", "session_bytes"]
@@ -57,8 +57,8 @@ class Session:
     namespace: str
     cache_salt: str | None
     last_used: float
-    # A new session shares one empty, read-only array (np.empty per session: 0.28
-    # against 0.03 us); the first lookup replaces it.
+    # A new session shares one empty, read-only array (an np.empty per session costs
+    # several times more, on the lookup path); the first lookup replaces it.
     hashed_tokens: np.ndarray = field(default_factory=lambda: _NO_TOKENS)
     keys: list[bytes] = field(default_factory=list)
     # Some lookup leased chunks to this request (the pool keeps which, per request
@@ -71,7 +71,8 @@ ReleaseHook = Callable[[Session], None]
 
 
 class SessionManager:
-    """Owns every live session; thread-safe."""
+    """Owns every live session; thread-safe. It keeps no chunk size: every call is
+    given the negotiated one (``app.chunk_size.ChunkSizeAuthority.final``)."""
 
     def __init__(
         self,
@@ -89,7 +90,6 @@ class SessionManager:
         self._max_bytes = max_bytes
         self._max_sessions = max_sessions
         self._evict_idle_s = evict_idle_s
-        self._chunk_size: int | None = None
         # Least recently used first: expiry and eviction stop at the first keeper.
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._bytes = 0
@@ -97,44 +97,42 @@ class SessionManager:
         self.on_release: ReleaseHook | None = None
         """Called for every session that ends or expires (e.g. to drop its leases)."""
 
-    @property
-    def bound(self) -> bool:
-        return self._chunk_size is not None
-
     def bind(self, chunk_size: int) -> None:
-        if self._hasher.chunk_size != chunk_size:
-            raise RuntimeError(
-                f"session manager asked to bind {chunk_size} but the token hasher is "
-                f"bound to {self._hasher.chunk_size}"
-            )
+        """The ``session_manager`` binding: refuse a size selected while sessions are
+        live (their keys were hashed with another size; docs/design.md s.2.2 rule 3)."""
         with self._lock:
-            if self._sessions and self._chunk_size not in (None, chunk_size):
-                raise RuntimeError("cannot rebind the session manager with live sessions")
-            self._chunk_size = chunk_size
+            self._expire_locked(self._clock())
+            if self._sessions:
+                raise RuntimeError(
+                    f"cannot bind chunk size {chunk_size} to the session manager with "
+                    f"{len(self._sessions)} live session(s)"
+                )
 
     def live_count(self) -> int:
         self.expire()
         with self._lock:
             return len(self._sessions)
 
-    @property
-    def charged_bytes(self) -> int:
-        """Memory the live sessions are charged for (at most ``max_bytes``)."""
-        with self._lock:
-            return self._bytes
-
     def keys_for(
-        self, request_id: str, namespace: str, cache_salt: str | None, tokens: np.ndarray
+        self,
+        request_id: str,
+        namespace: str,
+        cache_salt: str | None,
+        tokens: np.ndarray,
+        *,
+        chunk_size: int,
     ) -> tuple[Session, list[bytes]]:
         """Open (or touch) the request's session and return its chunk keys.
 
         Keys of a prefix already hashed for this session are reused; a session whose
         namespace, salt or earlier tokens differ starts over.
         """
-        return self.keys_for_many([(request_id, namespace, cache_salt, tokens)])[0]
+        return self.keys_for_many(
+            [(request_id, namespace, cache_salt, tokens)], chunk_size=chunk_size
+        )[0]
 
     def keys_for_many(
-        self, requests: Sequence[tuple[str, str, str | None, np.ndarray]]
+        self, requests: Sequence[tuple[str, str, str | None, np.ndarray]], *, chunk_size: int
     ) -> list[tuple[Session, list[bytes]]]:
         """``keys_for`` of each ``(request_id, namespace, cache_salt, tokens)``: the
         sessions opened under one hold of the lock, hashed outside it, and their keys
@@ -143,14 +141,12 @@ class SessionManager:
         A request that cannot be given its session (``SessionsFull``,
         ``InvalidRequest``) raises; the sessions of the requests before it are open.
         """
-        if self._chunk_size is None:
-            raise NotNegotiated("no chunk size is bound yet; negotiate first (POST /negotiate)")
-        size = self._chunk_size
+        size = chunk_size
         now = self._clock()
         opened: list[tuple[Session, list[bytes], np.ndarray]] = []
         with self._lock:
             for request_id, namespace, cache_salt, tokens in requests:
-                opened.append(self._open(request_id, namespace, cache_salt, len(tokens), now))
+                opened.append(self._open(request_id, namespace, cache_salt, len(tokens), size, now))
         out: list[tuple[Session, list[bytes]]] = []
         for (session, known, seen), (_, namespace, cache_salt, tokens) in zip(
             opened, requests, strict=True
@@ -161,7 +157,7 @@ class SessionManager:
                 agree = int(np.argmin(seen[:usable] == tokens[:usable]))
                 usable = agree // size * size
             keys = self._hasher.prefix_keys(
-                namespace, cache_salt, tokens, known=known[: usable // size]
+                namespace, cache_salt, tokens, chunk_size=size, known=known[: usable // size]
             )
             out.append((session, keys))
         with self._lock:
@@ -170,12 +166,17 @@ class SessionManager:
         return out
 
     def _open(
-        self, request_id: str, namespace: str, cache_salt: str | None, num_tokens: int, now: float
+        self,
+        request_id: str,
+        namespace: str,
+        cache_salt: str | None,
+        num_tokens: int,
+        size: int,
+        now: float,
     ) -> tuple[Session, list[bytes], np.ndarray]:
         """(Under the lock) the request's session, opened or touched and charged for
-        ``num_tokens``, with its known keys and the tokens they were hashed from."""
-        size = self._chunk_size
-        assert size is not None
+        ``num_tokens`` (chunks of ``size``), with its known keys and the tokens they
+        were hashed from."""
         session = self._sessions.get(request_id)
         if session is None or (session.namespace, session.cache_salt) != (namespace, cache_salt):
             if session is not None:
@@ -247,10 +248,6 @@ class SessionManager:
         have = session.charged_bytes if live else 0
         count = len(self._sessions) + (0 if live else 1)
         return self._bytes - have + need <= self._max_bytes and count <= self._max_sessions
-
-    def get(self, request_id: str) -> Session | None:
-        with self._lock:
-            return self._sessions.get(request_id)
 
     def end(self, request_ids: Iterable[str]) -> int:
         ended = 0

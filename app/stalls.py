@@ -3,9 +3,9 @@
 A connector that waits longer than its timeout for a call (by default 1 s for a
 lookup, 2 s for the heartbeat's ``/health``) puts vLLM in degraded mode; the
 operator then needs to know whether the server was slow and why. The thresholds
-sit below those timeouts, so a stall or a request that cost a lookup its answer is
-in the log (a stall of 0.99 s, under a threshold of 1 s, once left none). Two
-things are watched:
+sit well below those timeouts, so a stall or a request that cost a lookup its
+answer is in the log even when it fell just short of a timeout. Two things are
+watched:
 
 - **Event-loop stalls** (``watch_event_loop``): a task that sleeps ``TICK_S`` and
   measures how late it woke. ``STALL_S`` or later means every request, ``/health``

@@ -109,6 +109,7 @@ class Runtime:
         except RedisUnavailable:
             members = []
         status = self.coordinator.status()
+        state = self.chunk_size.state
         l2 = self.l2
         details = [d for d in (status.detail, l2.detail if l2 else None) if d]
         return ClusterResponse(
@@ -117,7 +118,7 @@ class Runtime:
             coordinator=status.state,
             coordinator_url=status.url,
             deployment_chunk_size=status.deployment_chunk_size,
-            chunk_size=self.chunk_size.final_size,
+            chunk_size=state.selected if state.final else None,
             members=[
                 ClusterMember(
                     member_id=m.member_id,
@@ -376,13 +377,14 @@ def _assemble(
     try:
         gate.start()
         cache = CacheService(
+            chunk_size=authority,
             hasher=hasher,
             sessions=sessions,
             blend=blend,
             telemetry=telemetry,
             pool=pool,
             registry=registry,
-            final_size=lambda: authority.final_size,
+            areas=areas,
             lease_ttl_s=settings.lease_ttl_s,
             copier=copier,
             gate=gate,

@@ -1,9 +1,9 @@
 """Prometheus metrics, one registry per server (so tests can build many apps).
 
 Served at ``GET /metrics`` by prometheus_client's own ASGI app (text format, or
-OpenMetrics when the scraper asks for it; gzip when accepted). The chunk size is
-bound like every other chunk-dependent part; data-plane counters live here too so
-every metric has one home.
+OpenMetrics when the scraper asks for it; gzip when accepted). The chunk-size gauge
+is set by the ``telemetry`` binding; data-plane counters live here too so every
+metric has one home.
 
 Names follow Prometheus conventions: base units (seconds, bytes) in the name,
 ``_total`` on counters, no ``_created`` series. Durations are histograms:
@@ -166,11 +166,10 @@ class Telemetry:
         )
         self.slow_requests = SlowRequests()
         self.asgi = make_asgi_app(r)
-        self._bound: int | None = None
 
     def bind(self, chunk_size: int) -> None:
+        """The ``telemetry`` binding: publish the size in ``mpcache_chunk_size_tokens``."""
         self.chunk_size.set(chunk_size)
-        self._bound = chunk_size
 
     def track(
         self,

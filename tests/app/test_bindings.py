@@ -10,12 +10,13 @@ from fastapi.testclient import TestClient
 
 from app.bindings import Binding, BindingPipeline
 from app.blend import BlendMatcher
+from app.chunk_size import FinalChunkSize
 from app.coordinator import StandaloneCoordinator
 from app.hashing import TokenHasher
 from app.sessions import SessionManager
 from app.state import BINDING_ORDER, Runtime
 from app.telemetry import Telemetry
-from contract.errors import BindingFailed
+from contract.errors import BindingFailed, NotNegotiated
 from tests.app.conftest import MakeClient
 
 COMPONENTS: dict[str, type] = {
@@ -126,7 +127,9 @@ def test_retry_from_another_client_resumes_too(
 
 def open_session(client: TestClient, request_id: str) -> None:
     runtime = runtime_of(client)
-    runtime.sessions.keys_for(request_id, "ns", None, np.arange(600, dtype=np.int32))
+    runtime.sessions.keys_for(
+        request_id, "ns", None, np.arange(600, dtype=np.int32), chunk_size=288
+    )
 
 
 def test_resize_refused_after_sessions_started(
@@ -197,3 +200,20 @@ def test_pipeline_unit_resume() -> None:
     assert seen == ["a", "b", "b", "c"]
     with pytest.raises(ValueError, match="unique"):
         BindingPipeline([Binding("a", step("a")), Binding("a", step("a"))])
+
+
+def test_the_final_size_is_one_frozen_value_behind_one_guard(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fail_times(monkeypatch, Telemetry, "bind", times=1)
+    client = make_client()
+    authority = runtime_of(client).chunk_size
+    with pytest.raises(NotNegotiated, match="negotiate first"):
+        authority.final()
+    assert client.post("/negotiate", json={"required_alignment": 96}).status_code == 503
+    # Selected but not final (a binding failed): still refused, with the caller's why.
+    with pytest.raises(NotNegotiated, match="before registering KV caches"):
+        authority.final(before="registering KV caches")
+    assert client.post("/negotiate", json={"required_alignment": 96}).status_code == 200
+    assert authority.final() == FinalChunkSize(288)
+    assert authority.final() is authority.final()

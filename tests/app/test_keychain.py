@@ -43,12 +43,12 @@ def _pair(chain: KeyChain, size: int) -> tuple[TokenHasher, TokenHasher]:
 def test_the_c_loop_gives_the_python_loops_keys(chain: KeyChain, size: int, length: int) -> None:
     native, python = _pair(chain, size)
     tokens = np.random.default_rng(length + size).integers(0, 2**31 - 1, length, dtype="<i4")
-    keys = python.prefix_keys("ns", "salt", tokens)
+    keys = python.prefix_keys("ns", "salt", tokens, chunk_size=size)
     assert len(keys) == length // size
-    assert native.prefix_keys("ns", "salt", tokens) == keys
+    assert native.prefix_keys("ns", "salt", tokens, chunk_size=size) == keys
     # A session's cached prefix: only the chunks after it are hashed.
     for known in (0, 1, len(keys) // 2, len(keys)):
-        assert native.prefix_keys("ns", "salt", tokens, known=keys[:known]) == keys
+        assert native.prefix_keys("ns", "salt", tokens, chunk_size=size, known=keys[:known]) == keys
 
 
 @pytest.mark.parametrize(
@@ -64,20 +64,20 @@ def test_the_c_loop_gives_the_python_loops_keys(chain: KeyChain, size: int, leng
 def test_every_token_form_gets_the_same_keys(chain: KeyChain, form: object) -> None:
     native, python = _pair(chain, 16)
     tokens = np.arange(1000, 1000 + 700, dtype="<i4")
-    keys = python.prefix_keys("ns", None, tokens)
-    assert native.prefix_keys("ns", None, form(tokens)) == keys  # type: ignore[operator]
+    keys = python.prefix_keys("ns", None, tokens, chunk_size=16)
+    assert native.prefix_keys("ns", None, form(tokens), chunk_size=16) == keys  # type: ignore[operator]
 
 
 def test_threads_hashing_at_once_get_their_own_keys(chain: KeyChain) -> None:
     """The server hashes on its event loop and in its thread pool at the same time."""
     native, python = _pair(chain, 64)
     prompts = [np.full(64 * 20, i, dtype="<i4") for i in range(8)]
-    expected = [python.prefix_keys("ns", None, p) for p in prompts]
+    expected = [python.prefix_keys("ns", None, p, chunk_size=64) for p in prompts]
     results: dict[int, list[list[bytes]]] = {i: [] for i in range(len(prompts))}
 
     def work(i: int) -> None:
         for _ in range(200):
-            results[i].append(native.prefix_keys("ns", None, prompts[i]))
+            results[i].append(native.prefix_keys("ns", None, prompts[i], chunk_size=64))
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -109,7 +109,7 @@ def test_without_a_compiler_the_server_hashes_in_python_and_says_so(
         assert "chunk keys in Python" in runtime.key_chain
         assert "no-such-compiler-mpcache" in caplog.text
         runtime.hasher.bind(16)
-        assert len(runtime.hasher.prefix_keys("ns", None, list(range(100)))) == 6
+        assert len(runtime.hasher.prefix_keys("ns", None, list(range(100)), chunk_size=16)) == 6
     finally:
         runtime.close()
 

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.logs import JsonFormatter, logging_config
-from app.service import PoolPressureLog
+from app.pool_pressure import PoolPressureLog
 from tests.support import DEADLINE_S, server_process
 
 
@@ -67,7 +67,7 @@ def test_negotiation_outcomes_are_logged(
 def test_pool_pressure_is_summarised(caplog: pytest.LogCaptureFixture) -> None:
     now = [0.0]
     log = PoolPressureLog(interval_s=60.0, clock=lambda: now[0])
-    with caplog.at_level(logging.INFO, logger="app.service"):
+    with caplog.at_level(logging.INFO, logger="app.pool_pressure"):
         log.evicted(2, 2 << 20)  # the first is logged at once
         for _ in range(100):
             now[0] += 0.1

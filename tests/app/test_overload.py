@@ -178,12 +178,12 @@ def test_shutdown_stops_a_long_store_at_its_next_chunk(make_client: MakeClient) 
         # One chunk "copying" until released, then the loop's check for the next.
         entered.set()
         release.wait(60)
-        return None, cache._expired(deadline)
+        return None, cache.transfers.deadline(deadline, None).passed()
 
     result: dict[str, Any] = {}
 
     def run() -> None:
-        with cache._transfer("store"):
+        with cache.transfers.admit("store"):
             result["stopped"] = fake_store_item(_Reg(), None, 16, None)[1]
 
     worker = threading.Thread(target=run)
@@ -205,6 +205,6 @@ def test_shutdown_stops_a_long_store_at_its_next_chunk(make_client: MakeClient) 
 def test_stop_transfers_waits_no_longer_than_its_deadline(make_client: MakeClient) -> None:
     client = _negotiated(make_client)
     cache = client.app.state.runtime.cache  # type: ignore[attr-defined]
-    with cache._transfer("store"):  # a copy that never ends
+    with cache.transfers.admit("store"):  # a copy that never ends
         assert cache.stop_transfers(0.01) == 1
     assert cache.stop_transfers(0.01) == 0

@@ -7,7 +7,6 @@ import pytest
 
 from app.hashing import TokenHasher
 from app.sessions import Session, SessionManager
-from contract.errors import NotNegotiated
 
 
 class Clock:
@@ -23,8 +22,10 @@ class CountingHasher(TokenHasher):
         super().__init__()
         self.hashed_chunks = 0
 
-    def prefix_keys(self, namespace, cache_salt, tokens, *, known=()):  # type: ignore[no-untyped-def]
-        keys = super().prefix_keys(namespace, cache_salt, tokens, known=known)
+    def prefix_keys(self, namespace, cache_salt, tokens, *, chunk_size, known=()):  # type: ignore[no-untyped-def]
+        keys = super().prefix_keys(
+            namespace, cache_salt, tokens, chunk_size=chunk_size, known=known
+        )
         self.hashed_chunks += len(keys) - min(len(known), len(keys))
         return keys
 
@@ -48,24 +49,24 @@ def manager(hasher: CountingHasher, clock: Clock) -> SessionManager:
     return m
 
 
-def test_unbound_manager_refuses_sessions(hasher: CountingHasher) -> None:
-    with pytest.raises(NotNegotiated, match="negotiate first"):
-        SessionManager(hasher, 10.0).keys_for("r", "ns", None, np.arange(8, dtype=np.int32))
-
-
-def test_bind_must_match_hasher(hasher: CountingHasher) -> None:
-    with pytest.raises(RuntimeError, match="hasher is bound to 4"):
-        SessionManager(hasher, 10.0).bind(8)
+def test_bind_is_refused_while_sessions_are_live(manager: SessionManager, clock: Clock) -> None:
+    """Keys of live sessions were hashed with the size they were given: a size
+    selected under them is refused (expired sessions do not count)."""
+    manager.keys_for("r", "ns", None, np.arange(8, dtype=np.int32), chunk_size=4)
+    with pytest.raises(RuntimeError, match="1 live session"):
+        manager.bind(8)
+    clock.now = 11.0
+    manager.bind(8)
 
 
 def test_growing_prompt_is_hashed_once(manager: SessionManager, hasher: CountingHasher) -> None:
     prompt = np.arange(12, dtype=np.int32)
-    _, keys = manager.keys_for("r", "ns", None, prompt[:8])
+    _, keys = manager.keys_for("r", "ns", None, prompt[:8], chunk_size=4)
     assert hasher.hashed_chunks == 2
-    _, grown = manager.keys_for("r", "ns", None, prompt)
+    _, grown = manager.keys_for("r", "ns", None, prompt, chunk_size=4)
     assert grown[:2] == keys and len(grown) == 3
     assert hasher.hashed_chunks == 3
-    manager.keys_for("r", "ns", None, prompt)
+    manager.keys_for("r", "ns", None, prompt, chunk_size=4)
     assert hasher.hashed_chunks == 3
 
 
@@ -73,22 +74,22 @@ def test_changed_prompt_rehashes_from_divergence(
     manager: SessionManager, hasher: CountingHasher
 ) -> None:
     prompt = np.arange(12, dtype=np.int32)
-    manager.keys_for("r", "ns", None, prompt)
+    manager.keys_for("r", "ns", None, prompt, chunk_size=4)
     changed = prompt.copy()
     changed[5] = 999
-    _, keys = manager.keys_for("r", "ns", None, changed)
-    assert keys == hasher.prefix_keys("ns", None, changed)
+    _, keys = manager.keys_for("r", "ns", None, changed, chunk_size=4)
+    assert keys == hasher.prefix_keys("ns", None, changed, chunk_size=4)
     assert hasher.hashed_chunks == 3 + 2 + 3  # two re-hashed here, three by the check
 
 
 def test_ttl_expiry_and_release(manager: SessionManager, clock: Clock) -> None:
     released: list[str] = []
     manager.on_release = lambda s: released.append(s.request_id)
-    session, _ = manager.keys_for("a", "ns", None, np.arange(4, dtype=np.int32))
+    session, _ = manager.keys_for("a", "ns", None, np.arange(4, dtype=np.int32), chunk_size=4)
     session.holds_leases = True
-    manager.keys_for("b", "ns", None, np.arange(4, dtype=np.int32))
+    manager.keys_for("b", "ns", None, np.arange(4, dtype=np.int32), chunk_size=4)
     clock.now = 5.0
-    manager.keys_for("b", "ns", None, np.arange(4, dtype=np.int32))
+    manager.keys_for("b", "ns", None, np.arange(4, dtype=np.int32), chunk_size=4)
     clock.now = 11.0
     assert manager.live_count() == 1  # "a" idle for 11 s, "b" for 6 s
     assert released == ["a"]
@@ -97,8 +98,8 @@ def test_ttl_expiry_and_release(manager: SessionManager, clock: Clock) -> None:
 
 
 def test_namespace_change_starts_a_new_session(manager: SessionManager) -> None:
-    first, _ = manager.keys_for("r", "ns", None, np.arange(4, dtype=np.int32))
-    second, _ = manager.keys_for("r", "ns2", None, np.arange(4, dtype=np.int32))
+    first, _ = manager.keys_for("r", "ns", None, np.arange(4, dtype=np.int32), chunk_size=4)
+    second, _ = manager.keys_for("r", "ns2", None, np.arange(4, dtype=np.int32), chunk_size=4)
     assert isinstance(second, Session) and second is not first
     assert manager.live_count() == 1
 
@@ -108,10 +109,11 @@ def test_keys_for_many_gives_what_keys_for_gives(manager: SessionManager) -> Non
     prompts = [rng.integers(0, 50_000, size=n, dtype=np.int32) for n in (3, 4, 9, 16)]
     many = manager.keys_for_many(
         [(f"r{i}", "ns", None, p) for i, p in enumerate(prompts)]
-        + [("r2", "ns", None, prompts[2])]  # the same request twice in one call
+        + [("r2", "ns", None, prompts[2])],  # the same request twice in one call
+        chunk_size=4,
     )
     manager.end([f"r{i}" for i in range(4)])
-    one = [manager.keys_for(f"r{i}", "ns", None, p)[1] for i, p in enumerate(prompts)]
+    one = [manager.keys_for(f"r{i}", "ns", None, p, chunk_size=4)[1] for i, p in enumerate(prompts)]
     assert [keys for _, keys in many] == [*one, one[2]]
     assert [len(keys) for keys in one] == [0, 1, 2, 4]
     assert [session.request_id for session, _ in many] == ["r0", "r1", "r2", "r3", "r2"]
@@ -127,7 +129,7 @@ def test_keys_for_many_stops_at_a_request_that_does_not_fit(
     manager.bind(4)
     tokens = np.arange(8, dtype=np.int32)
     with pytest.raises(SessionsFull):
-        manager.keys_for_many([(f"r{i}", "ns", None, tokens) for i in range(3)])
+        manager.keys_for_many([(f"r{i}", "ns", None, tokens) for i in range(3)], chunk_size=4)
     # The requests before it have their sessions; a retry of those is served.
     assert manager.live_count() == 2
-    assert len(manager.keys_for("r1", "ns", None, tokens)[1]) == 2
+    assert len(manager.keys_for("r1", "ns", None, tokens, chunk_size=4)[1]) == 2

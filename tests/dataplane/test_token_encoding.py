@@ -142,9 +142,9 @@ def test_items_past_the_inline_size_keep_their_place(
 ) -> None:
     """Items small enough are answered together on the event loop, larger ones one by
     one in the thread pool: the reply keeps the frame's order either way."""
-    import app.routes.cache
+    import app.lookup
 
-    monkeypatch.setattr(app.routes.cache, "INLINE_LOOKUP_TOKENS", 100)
+    monkeypatch.setattr(app.lookup, "INLINE_LOOKUP_TOKENS", 100)
     client = make_client(chunk_size=64)
     kv = shm_kv([vllm_layer("l0", 0, 16)])
     post_ok(client, "/register", register_body(kv, "w", [(0, "attention", 16)], chunk_size=64))

@@ -15,7 +15,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-import app.service
+import app.retrieve
+import app.store
 from tests.dataplane.support import (
     CacheClient,
     KVFactory,
@@ -56,8 +57,9 @@ class SlowCopy:
 
 
 def _slow(monkeypatch: pytest.MonkeyPatch, name: str, slow: set[int], delay_s: float) -> SlowCopy:
-    wrapper = SlowCopy(getattr(app.service, name), slow, delay_s)
-    monkeypatch.setattr(app.service, name, wrapper)
+    path = app.store if name == "gather_chunk" else app.retrieve  # the path that copies so
+    wrapper = SlowCopy(getattr(path, name), slow, delay_s)
+    monkeypatch.setattr(path, name, wrapper)
     return wrapper
 
 

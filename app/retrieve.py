@@ -1,0 +1,171 @@
+"""The server's retrieve path: ``POST /cache/retrieve``, cached chunks into a KV cache."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from app.l2 import CorruptValue, L2Tier, decode_value
+from app.telemetry import Telemetry
+from app.transfers import CheckedItem, TransferCall, Transfers
+from contract.schemas import RetrieveRequest, RetrieveResponse, RetrieveResult
+from dataplane.layout import slot_mask
+from dataplane.pool import Entry, Pool
+from dataplane.registry import Registration
+from dataplane.transfer import CopyPool, scatter_chunk
+
+__all__ = ["Retrieve"]
+
+logger = logging.getLogger(__name__)
+
+_Pinned = list[tuple[list[np.ndarray], Entry]]
+
+
+class Retrieve:
+    """Loads each item's chunks from ``start_token`` into the caller's blocks.
+
+    Chunks load while each one is cached with the caller's layout *and* holds every
+    block the caller needs (its non-null block ids); ``loaded_tokens`` counts those;
+    every non-null block of the chunks after that, up to the last whole chunk, is
+    listed in ``failed_block_ids``. A chunk L1 lacks is fetched from the L2 tier (if
+    any), checked, and promoted into L1 before it is served. The deadline
+    (``app.transfers``) is checked before writing each chunk: once it has passed no
+    more is written (the client may reuse its blocks), and the rest is reported
+    failed.
+    """
+
+    def __init__(
+        self,
+        *,
+        transfers: Transfers,
+        pool: Pool,
+        copier: CopyPool,
+        telemetry: Telemetry,
+        l2: L2Tier | None = None,
+    ) -> None:
+        self._transfers = transfers
+        self._pool = pool
+        self._copier = copier
+        self._telemetry = telemetry
+        self._seconds = telemetry.op_seconds.labels("retrieve")
+        self._l2 = l2
+
+    def run(
+        self, req: RetrieveRequest, *, received_at: float | None = None, token: str | None = None
+    ) -> RetrieveResponse:
+        """Retrieve the batch; ``received_at`` (monotonic) starts ``req.timeout_s``;
+        ``token`` is the registration's."""
+        with self._seconds.time():
+            with self._transfers.call(
+                "retrieve", req, received_at=received_at, token=token
+            ) as call:
+                results = [self._retrieve_item(call, it) for it in call.items]
+            late = sum(len(r.failed_block_ids) for r, timed_out in results if timed_out)
+            self._transfers.note_late("retrieve", req, results, f"{late} block(s) not loaded")
+            return RetrieveResponse(results=[r for r, _ in results])
+
+    def _retrieve_item(self, call: TransferCall, it: CheckedItem) -> tuple[RetrieveResult, bool]:
+        """The item's result, and whether the deadline cut it short."""
+        keys, chunks = self._transfers.keys(call, it)
+        timed_out = call.deadline.passed()
+        pinned = [] if timed_out else self._pin(call, it, keys, chunks)
+        try:
+            loaded, cut = self._load(call, it, pinned)
+        finally:
+            for _, entry in pinned:
+                self._pool.unpin(entry)
+        result = RetrieveResult(
+            request_id=it.item.request_id,
+            loaded_tokens=loaded * call.chunk_size,
+            failed_block_ids=_blocks_of(call.reg, it, chunks[loaded:]),
+        )
+        return result, timed_out or cut
+
+    def _pin(
+        self, call: TransferCall, it: CheckedItem, keys: Sequence[bytes], chunks: range
+    ) -> _Pinned:
+        """Pin the leading chunks that can be served (from L1, else promoted from L2),
+        with their block ids; stop at the first that cannot."""
+        reg = call.reg
+        pinned: _Pinned = []
+        for chunk in chunks:
+            ids = it.chunk_ids(reg, chunk)
+            needed = slot_mask(ids)
+            entry = self._pool.pin(keys[chunk], reg.rank, reg.layout.signature, needed)
+            if entry is None and not call.deadline.passed():
+                entry = self._promote(reg, call.chunk_size, keys[chunk], needed)
+            if entry is None:
+                break
+            pinned.append((ids, entry))
+        return pinned
+
+    def _load(self, call: TransferCall, it: CheckedItem, pinned: _Pinned) -> tuple[int, bool]:
+        """Write the pinned chunks into the caller's blocks, in order: how many were
+        written, and whether the deadline stopped it."""
+        loaded = copied = 0
+        cut = False
+        for ids, entry in pinned:
+            if call.deadline.passed():
+                # The client has given up and may reuse its blocks: write no more.
+                cut = True
+                break
+            try:
+                copied += scatter_chunk(call.reg.plans, ids, self._pool.view(entry), self._copier)
+            except Exception:
+                logger.exception("retrieve of %r failed at a chunk", it.item.request_id)
+                break
+            loaded += 1
+        self._telemetry.copied_bytes.labels("retrieve").inc(copied)
+        return loaded, cut
+
+    def _promote(
+        self, reg: Registration, chunk_size: int, chunk_key: bytes, needed: int
+    ) -> Entry | None:
+        """Fetch a chunk L1 lacks from L2, check it, commit it to L1; return it pinned."""
+        l2 = self._l2
+        if l2 is None or not l2.up:
+            return None
+        layout = reg.layout.signature
+        key = l2.key(reg.namespace, chunk_size, layout, reg.world_size, reg.rank, chunk_key)
+        raw = l2.fetch(key)
+        if raw is None:
+            return None
+        try:
+            value = decode_value(
+                raw, chunk_key=chunk_key, rank=reg.rank, layout=layout, max_bytes=l2.max_value_bytes
+            )
+            expected = reg.chunk_bytes if value.present else 1
+            if len(value.payload) != expected:
+                raise CorruptValue(f"{len(value.payload)} payload bytes, expected {expected}")
+        except CorruptValue as exc:
+            l2.discard(key, str(exc))
+            return None
+        if needed & ~value.present:
+            return None  # L2's copy lacks a block the caller needs: a miss
+        entry = self._pool.begin_store(
+            chunk_key, reg.rank, nbytes=expected, layout=layout, present=value.present
+        )
+        if isinstance(entry, Entry):
+            try:
+                self._pool.view(entry).numpy()[:] = np.frombuffer(value.payload, dtype=np.uint8)
+            except BaseException:
+                self._pool.abort(entry)
+                raise
+            self._pool.commit(entry)
+            l2.served()
+        return self._pool.pin(chunk_key, reg.rank, layout, needed)
+
+
+def _blocks_of(reg: Registration, it: CheckedItem, chunks: range) -> list[int]:
+    """Every non-null block id of ``chunks``, once each, in order (the failed ones)."""
+    failed: list[int] = []
+    seen: set[int] = set()
+    for chunk in chunks:
+        for group_ids in it.chunk_ids(reg, chunk):
+            for block in group_ids[group_ids != 0].tolist():
+                if block not in seen:
+                    seen.add(block)
+                    failed.append(block)
+    return failed
