@@ -17,19 +17,17 @@ from __future__ import annotations
 
 import hmac
 import time
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import Depends, Header, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.problems import problem_doc
 from app.state import Runtime
 from contract.errors import Unauthorized
 from contract.schemas import REGISTRATION_TOKEN_HEADER
 
 __all__ = [
     "GUARDED",
-    "GUARDED_RESPONSES",
     "ReceiptStamp",
     "ReceivedAtDep",
     "RegistrationTokenDep",
@@ -98,8 +96,4 @@ RegistrationTokenDep = Annotated[
 
 
 GUARDED = [Depends(require_api_token)]
-"""``dependencies=`` of every mutating route."""
-
-GUARDED_RESPONSES: dict[int | str, dict[str, Any]] = {
-    401: problem_doc("Missing or wrong API token (only when MPCACHE_API_TOKEN is set)")
-}
+"""``dependencies=`` of every route whose table entry is ``guarded``."""

@@ -30,22 +30,14 @@ from app.heap import (
     unfreeze_objects,
 )
 from app.logs import configure_logging, host_configured_logging
-from app.problems import install_error_handlers, problem_doc
+from app.problems import install_error_handlers
 from app.routes import cache, control, register
+from app.routes.declare import body_models
 from app.settings import Settings, unknown_variables
 from app.stalls import watch_event_loop
 from app.state import Runtime, build_runtime
 from app.telemetry import MetricsEndpoint, RequestTimer
-from contract.schemas import (
-    BlendMatchRequest,
-    EndSessionsRequest,
-    LookupAreaRequest,
-    LookupFrameHeader,
-    LookupRequest,
-    NegotiateRequest,
-    RetrieveRequest,
-    StoreRequest,
-)
+from contract.endpoints import ENDPOINTS
 from contract.shm_naming import fmt_bytes
 from dataplane import streaming
 
@@ -197,28 +189,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodyLimit)  # innermost: its 413s are timed like any reply
     app.add_middleware(ReceiptStamp)  # store/retrieve deadlines count from its stamp
     app.add_middleware(RequestTimer)
-    # Every route answers malformed input, and a body over --max-body-size, with a
-    # problem body, not FastAPI's default.
-    common: dict[int | str, dict[str, Any]] = {
-        413: problem_doc("Request body larger than --max-body-size"),
-        422: problem_doc("Malformed request"),
-    }
     for router in (control.router, register.router, cache.router):
-        app.include_router(router, responses=common)
+        app.include_router(router)
     app.router.routes.append(Route("/metrics", MetricsEndpoint(), methods=["GET"]))
-    _document_models(
-        app,
-        [
-            NegotiateRequest,
-            LookupRequest,
-            LookupFrameHeader,
-            StoreRequest,
-            RetrieveRequest,
-            EndSessionsRequest,
-            BlendMatchRequest,
-            LookupAreaRequest,
-        ],
-    )
+    _document_models(app, body_models(ENDPOINTS))
     return app
 
 

@@ -1,22 +1,24 @@
-"""HTTP control clients for one mpcache server.
+"""HTTP control clients for one mpcache server, both built from ``contract.endpoints``.
 
 ``ControlClient`` (blocking ``httpx.Client``) serves calls made on vLLM's threads and
 the scheduler's lookup thread, each with a short timeout; ``AsyncControlClient``
-(``httpx.AsyncClient``) serves the heartbeat loop. Both take an injectable transport
-(``httpx.MockTransport``, ``httpx.ASGITransport``, respx) so tests need no sockets.
+(``httpx.AsyncClient``) serves the heartbeat loop. Each named call (``negotiate``,
+``lookup``, ...) is written once, in ``_Operations``, as the ``_Call`` its arguments
+make of an endpoint-table entry; each client only sends it, blocking or awaited. Both
+take an injectable transport (``httpx.MockTransport``, ``httpx.ASGITransport``, respx)
+so tests need no sockets.
 
-Every request body is an ``contract.schemas`` model and every reply is validated into
-one, so both ends share one contract. httpx errors and non-2xx replies are
-translated into ``connector.errors`` in exactly one place, ``_translate`` plus
-``_parse_reply``; nothing else in the connector catches httpx exceptions.
+Every request body is a ``contract.schemas`` model and every reply is validated into
+the entry's reply model. httpx errors and non-2xx replies are translated into
+``connector.errors`` in exactly one place, ``_translate`` plus ``_parse_reply``;
+nothing else in the connector catches httpx exceptions.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
-from urllib.parse import quote
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, cast, overload
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -28,6 +30,8 @@ from connector.errors import (
     ServerTimeout,
     ServerUnreachable,
 )
+from contract import endpoints
+from contract.endpoints import Endpoint
 from contract.frames import LOOKUP_FRAME_MEDIA_TYPE
 from contract.schemas import (
     REGISTRATION_TOKEN_HEADER,
@@ -55,21 +59,33 @@ __all__ = ["AsyncControlClient", "ControlClient", "TransportFactory"]
 TransportFactory = Callable[[str], "httpx.BaseTransport | None"]
 """Per server URL, the transport its blocking client uses (tests inject fakes)."""
 
-_M = TypeVar("_M", bound=BaseModel)
+_R = TypeVar("_R", bound=BaseModel | None)
+_P = ParamSpec("_P")
 
 _HEADERS = {"content-type": "application/json", "accept": "application/json"}
 _FRAME_HEADERS = {"content-type": LOOKUP_FRAME_MEDIA_TYPE}
 
 
-@contextlib.contextmanager
-def _translate(url: str) -> Iterator[None]:
-    """The one boundary where httpx exceptions become connector errors."""
-    try:
-        yield
-    except httpx.TimeoutException as exc:
-        raise ServerTimeout(f"{url}: timed out ({type(exc).__name__})", url=url) from exc
-    except httpx.HTTPError as exc:
-        raise ServerUnreachable(f"{url}: {type(exc).__name__}: {exc}", url=url) from exc
+class _translate:  # a lower-case name: used as ``with _translate(url):``, like a function
+    """The one boundary where httpx exceptions become connector errors.
+
+    A class, not ``contextlib.contextmanager``: it wraps every call, and a generator's
+    set-up costs several times these two methods (bench/client_call_bench.py)."""
+
+    __slots__ = ("_url",)
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _: Any) -> None:
+        url = self._url
+        if isinstance(exc, httpx.TimeoutException):
+            raise ServerTimeout(f"{url}: timed out ({type(exc).__name__})", url=url) from exc
+        if isinstance(exc, httpx.HTTPError):
+            raise ServerUnreachable(f"{url}: {type(exc).__name__}: {exc}", url=url) from exc
 
 
 def _retry_after(reply: httpx.Response) -> float | None:
@@ -90,14 +106,17 @@ def _problem(reply: httpx.Response) -> dict[str, Any]:
     return body if isinstance(body, dict) else {"detail": str(body)[:500]}
 
 
-def _parse_reply(reply: httpx.Response, model: type[_M] | None, url: str) -> _M | None:
+def _parse_reply(reply: httpx.Response, endpoint: Endpoint[Any, _R], url: str) -> _R:
+    """The reply validated into the entry's reply model (``None`` where it has none),
+    or the connector error its status means."""
     status = reply.status_code
     if 200 <= status < 300:
-        if model is None:
-            return None
+        # An entry's ``Resp`` is its reply model's type: the one place that is assumed.
+        model = cast("type[BaseModel] | None", endpoint.response)
         try:
-            return model.model_validate_json(reply.content)
+            return cast(_R, None if model is None else model.model_validate_json(reply.content))
         except ValidationError as exc:
+            assert model is not None
             raise ProtocolError(
                 f"{url}: reply does not match {model.__name__}: {exc.error_count()} error(s)",
                 url=url,
@@ -126,14 +145,26 @@ def _frame_headers(body: Body) -> dict[str, str] | None:
     return None if body is None or isinstance(body, BaseModel) else _FRAME_HEADERS
 
 
-def _register_path(instance_id: str, rank: int) -> str:
-    return f"/register/{quote(instance_id, safe='')}/{rank}"
-
-
 def _default_headers(api_token: str | None) -> dict[str, str]:
     if api_token is None:
         return dict(_HEADERS)
     return {**_HEADERS, "authorization": f"Bearer {api_token}"}
+
+
+@dataclass(slots=True)
+class _Call(Generic[_R]):
+    """One control call as an operation's arguments make it, before it is sent: the
+    table entry (whose reply model types ``_R``), the body and per-call options.
+
+    Not frozen: one is made per call, and a frozen dataclass's ``__init__`` (a
+    ``object.__setattr__`` per field) costs a few times a plain one's; nothing keeps it."""
+
+    endpoint: Endpoint[Any, _R]
+    body: Body = None
+    timeout_s: float | None = None
+    registration_token: str | None = None
+    path: str | None = None
+    """The entry's path with its parameters filled in, where it has any."""
 
 
 class _Requests:
@@ -154,14 +185,8 @@ class _Requests:
         self._urls: dict[str, httpx.URL] = {}
         self._timeouts: dict[float, dict[str, float | None]] = {}
 
-    def build(
-        self,
-        method: str,
-        path: str,
-        body: Body,
-        timeout_s: float | None,
-        registration_token: str | None,
-    ) -> httpx.Request:
+    def build(self, call: _Call[Any], path: str) -> httpx.Request:
+        body, timeout_s, registration_token = call.body, call.timeout_s, call.registration_token
         url = self._urls.get(path)
         if url is None:
             url = self._urls[path] = httpx.URL(f"{self._base_url}{path}")
@@ -174,11 +199,143 @@ class _Requests:
             timeout = self._timeouts.get(timeout_s) or httpx.Timeout(timeout_s).as_dict()
             self._timeouts[timeout_s] = timeout
         return httpx.Request(
-            method, url, headers=headers, content=_content(body), extensions={"timeout": timeout}
+            call.endpoint.method,
+            url,
+            headers=headers,
+            content=_content(body),
+            extensions={"timeout": timeout},
         )
 
 
-class ControlClient:
+class _Operation(Generic[_P, _R]):
+    """A named call of both clients, from a method that builds its ``_Call``: read
+    from a ``ControlClient`` it sends the call and returns the reply; read from an
+    ``AsyncControlClient`` it returns the coroutine that does."""
+
+    def __init__(self, build: Callable[Concatenate[Any, _P], _Call[_R]]) -> None:
+        self._build = build
+        self.__doc__ = build.__doc__
+
+    @overload
+    def __get__(self, client: None, owner: type[Any]) -> _Operation[_P, _R]: ...
+
+    @overload
+    def __get__(
+        self, client: ControlClient, owner: type[Any] | None = None
+    ) -> Callable[_P, _R]: ...
+
+    @overload
+    def __get__(
+        self, client: AsyncControlClient, owner: type[Any] | None = None
+    ) -> Callable[_P, Coroutine[Any, Any, _R]]: ...
+
+    def __get__(self, client: _Operations | None, owner: type[Any] | None = None) -> Any:
+        if client is None:
+            return self
+        build, send = self._build, client._send
+
+        def call(*args: _P.args, **kwargs: _P.kwargs) -> Any:
+            return send(build(client, *args, **kwargs))
+
+        return call
+
+
+class _Operations:
+    """Every named call, written once for both clients, as the ``_Call`` it makes."""
+
+    def __init__(
+        self, base_url: str, timeout_s: float, http: httpx.Client | httpx.AsyncClient
+    ) -> None:
+        self.base_url = base_url
+        self.timeout_s = timeout_s
+        self._requests = _Requests(base_url, http)
+
+    def _send(self, call: _Call[Any]) -> Any:
+        raise NotImplementedError
+
+    @_Operation
+    def negotiate(
+        self, body: NegotiateRequest, timeout_s: float | None = None
+    ) -> _Call[NegotiateResponse]:
+        return _Call(endpoints.NEGOTIATE, body, timeout_s)
+
+    @_Operation
+    def health(self, timeout_s: float | None = None) -> _Call[HealthResponse]:
+        return _Call(endpoints.HEALTH, None, timeout_s)
+
+    @_Operation
+    def chunk_size(self, timeout_s: float | None = None) -> _Call[ChunkSizeResponse]:
+        return _Call(endpoints.CHUNK_SIZE, None, timeout_s)
+
+    @_Operation
+    def registration_info(self, timeout_s: float | None = None) -> _Call[RegistrationInfo]:
+        return _Call(endpoints.REGISTRATION_INFO, None, timeout_s)
+
+    @_Operation
+    def register(
+        self,
+        body: RegisterRequest,
+        timeout_s: float | None = None,
+        *,
+        registration_token: str | None = None,
+    ) -> _Call[RegisterResponse]:
+        """Register; ``registration_token`` (the current one, if any) lets it replace."""
+        return _Call(endpoints.REGISTER, body, timeout_s, registration_token)
+
+    @_Operation
+    def unregister(
+        self,
+        instance_id: str,
+        rank: int,
+        timeout_s: float | None = None,
+        *,
+        registration_token: str | None = None,
+    ) -> _Call[None]:
+        path = endpoints.UNREGISTER.url_path(instance_id=instance_id, rank=rank)
+        return _Call(endpoints.UNREGISTER, None, timeout_s, registration_token, path)
+
+    @_Operation
+    def lookup(
+        self, body: LookupRequest | bytes | Iterable[bytes], timeout_s: float | None = None
+    ) -> _Call[LookupResponse]:
+        """A lookup in the JSON form, or a binary frame (``contract.frames``), whole or
+        as pieces (sent chunked as they are produced)."""
+        return _Call(endpoints.LOOKUP, body, timeout_s)
+
+    @_Operation
+    def register_lookup_area(
+        self, body: LookupAreaRequest, timeout_s: float | None = None
+    ) -> _Call[LookupAreaResponse]:
+        return _Call(endpoints.REGISTER_LOOKUP_AREA, body, timeout_s)
+
+    @_Operation
+    def store(
+        self,
+        body: StoreRequest,
+        timeout_s: float | None = None,
+        *,
+        registration_token: str | None = None,
+    ) -> _Call[StoreResponse]:
+        return _Call(endpoints.STORE, body, timeout_s, registration_token)
+
+    @_Operation
+    def retrieve(
+        self,
+        body: RetrieveRequest,
+        timeout_s: float | None = None,
+        *,
+        registration_token: str | None = None,
+    ) -> _Call[RetrieveResponse]:
+        return _Call(endpoints.RETRIEVE, body, timeout_s, registration_token)
+
+    @_Operation
+    def end_sessions(
+        self, body: EndSessionsRequest, timeout_s: float | None = None
+    ) -> _Call[EndSessionsResponse]:
+        return _Call(endpoints.END, body, timeout_s)
+
+
+class ControlClient(_Operations):
     """Blocking client; every call is bounded by ``timeout_s`` (or its override)."""
 
     def __init__(
@@ -189,127 +346,28 @@ class ControlClient:
         transport: httpx.BaseTransport | None = None,
         api_token: str | None = None,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.timeout_s = timeout_s
+        base_url = base_url.rstrip("/")
         self._http = httpx.Client(
-            base_url=self.base_url,
+            base_url=base_url,
             timeout=timeout_s,
             transport=transport,
             headers=_default_headers(api_token),
         )
-        self._requests = _Requests(self.base_url, self._http)
+        super().__init__(base_url, timeout_s, self._http)
 
     def close(self) -> None:
         self._http.close()
 
-    def _call(
-        self,
-        method: str,
-        path: str,
-        model: type[_M] | None,
-        body: Body = None,
-        timeout_s: float | None = None,
-        registration_token: str | None = None,
-    ) -> _M | None:
+    def _send(self, call: _Call[_R]) -> _R:
+        path = call.path or call.endpoint.path
         url = f"{self.base_url}{path}"
         with _translate(url):
-            request = self._requests.build(method, path, body, timeout_s, registration_token)
-            reply = self._http.send(request)
-        return _parse_reply(reply, model, url)
-
-    def _call_model(
-        self,
-        method: str,
-        path: str,
-        model: type[_M],
-        body: Body = None,
-        timeout_s: float | None = None,
-        registration_token: str | None = None,
-    ) -> _M:
-        result = self._call(method, path, model, body, timeout_s, registration_token)
-        assert result is not None
-        return result
-
-    def negotiate(
-        self, body: NegotiateRequest, timeout_s: float | None = None
-    ) -> NegotiateResponse:
-        return self._call_model("POST", "/negotiate", NegotiateResponse, body, timeout_s)
-
-    def health(self, timeout_s: float | None = None) -> HealthResponse:
-        return self._call_model("GET", "/health", HealthResponse, None, timeout_s)
-
-    def chunk_size(self, timeout_s: float | None = None) -> ChunkSizeResponse:
-        return self._call_model("GET", "/chunk-size", ChunkSizeResponse, None, timeout_s)
-
-    def registration_info(self, timeout_s: float | None = None) -> RegistrationInfo:
-        return self._call_model("GET", "/register", RegistrationInfo, None, timeout_s)
-
-    def register(
-        self,
-        body: RegisterRequest,
-        timeout_s: float | None = None,
-        *,
-        registration_token: str | None = None,
-    ) -> RegisterResponse:
-        """Register; ``registration_token`` (the current one, if any) lets it replace."""
-        return self._call_model(
-            "POST", "/register", RegisterResponse, body, timeout_s, registration_token
-        )
-
-    def unregister(
-        self,
-        instance_id: str,
-        rank: int,
-        timeout_s: float | None = None,
-        *,
-        registration_token: str | None = None,
-    ) -> None:
-        self._call(
-            "DELETE", _register_path(instance_id, rank), None, None, timeout_s, registration_token
-        )
-
-    def lookup(
-        self, body: LookupRequest | bytes | Iterable[bytes], timeout_s: float | None = None
-    ) -> LookupResponse:
-        """A lookup in the JSON form, or a binary frame (``contract.frames``), whole or
-        as pieces (sent chunked as they are produced)."""
-        return self._call_model("POST", "/cache/lookup", LookupResponse, body, timeout_s)
-
-    def register_lookup_area(
-        self, body: LookupAreaRequest, timeout_s: float | None = None
-    ) -> LookupAreaResponse:
-        return self._call_model("POST", "/cache/lookup-areas", LookupAreaResponse, body, timeout_s)
-
-    def store(
-        self,
-        body: StoreRequest,
-        timeout_s: float | None = None,
-        *,
-        registration_token: str | None = None,
-    ) -> StoreResponse:
-        return self._call_model(
-            "POST", "/cache/store", StoreResponse, body, timeout_s, registration_token
-        )
-
-    def retrieve(
-        self,
-        body: RetrieveRequest,
-        timeout_s: float | None = None,
-        *,
-        registration_token: str | None = None,
-    ) -> RetrieveResponse:
-        return self._call_model(
-            "POST", "/cache/retrieve", RetrieveResponse, body, timeout_s, registration_token
-        )
-
-    def end_sessions(
-        self, body: EndSessionsRequest, timeout_s: float | None = None
-    ) -> EndSessionsResponse:
-        return self._call_model("POST", "/cache/end", EndSessionsResponse, body, timeout_s)
+            reply = self._http.send(self._requests.build(call, path))
+        return _parse_reply(reply, call.endpoint, url)
 
 
-class AsyncControlClient:
-    """Async twin of ``ControlClient`` for the heartbeat loop (same contract)."""
+class AsyncControlClient(_Operations):
+    """``ControlClient``'s calls, awaited: for the heartbeat loop."""
 
     def __init__(
         self,
@@ -319,70 +377,21 @@ class AsyncControlClient:
         transport: httpx.AsyncBaseTransport | None = None,
         api_token: str | None = None,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.timeout_s = timeout_s
+        base_url = base_url.rstrip("/")
         self._http = httpx.AsyncClient(
-            base_url=self.base_url,
+            base_url=base_url,
             timeout=timeout_s,
             transport=transport,
             headers=_default_headers(api_token),
         )
-        self._requests = _Requests(self.base_url, self._http)
+        super().__init__(base_url, timeout_s, self._http)
 
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _call(
-        self,
-        method: str,
-        path: str,
-        model: type[_M] | None,
-        body: Body = None,
-        timeout_s: float | None = None,
-        registration_token: str | None = None,
-    ) -> _M | None:
+    async def _send(self, call: _Call[_R]) -> _R:
+        path = call.path or call.endpoint.path
         url = f"{self.base_url}{path}"
         with _translate(url):
-            request = self._requests.build(method, path, body, timeout_s, registration_token)
-            reply = await self._http.send(request)
-        return _parse_reply(reply, model, url)
-
-    async def _call_model(
-        self,
-        method: str,
-        path: str,
-        model: type[_M],
-        body: Body = None,
-        timeout_s: float | None = None,
-        registration_token: str | None = None,
-    ) -> _M:
-        result = await self._call(method, path, model, body, timeout_s, registration_token)
-        assert result is not None
-        return result
-
-    async def negotiate(
-        self, body: NegotiateRequest, timeout_s: float | None = None
-    ) -> NegotiateResponse:
-        return await self._call_model("POST", "/negotiate", NegotiateResponse, body, timeout_s)
-
-    async def health(self, timeout_s: float | None = None) -> HealthResponse:
-        return await self._call_model("GET", "/health", HealthResponse, None, timeout_s)
-
-    async def registration_info(self, timeout_s: float | None = None) -> RegistrationInfo:
-        return await self._call_model("GET", "/register", RegistrationInfo, None, timeout_s)
-
-    async def register(
-        self,
-        body: RegisterRequest,
-        timeout_s: float | None = None,
-        *,
-        registration_token: str | None = None,
-    ) -> RegisterResponse:
-        return await self._call_model(
-            "POST", "/register", RegisterResponse, body, timeout_s, registration_token
-        )
-
-    async def end_sessions(
-        self, body: EndSessionsRequest, timeout_s: float | None = None
-    ) -> EndSessionsResponse:
-        return await self._call_model("POST", "/cache/end", EndSessionsResponse, body, timeout_s)
+            reply = await self._http.send(self._requests.build(call, path))
+        return _parse_reply(reply, call.endpoint, url)

@@ -4,6 +4,7 @@ Both sides import this package; it imports neither of them, nor any web framewor
 (``make lint`` enforces it with import-linter; see docs/design.md s.1):
 
 - ``schemas``     every HTTP request and reply body (pydantic; the OpenAPI source)
+- ``endpoints``   every HTTP operation: method, path, models, problems (routes, clients)
 - ``errors``      the domain error tree: problem types, titles and statuses
 - ``tokens``      the compact token form (base64 of little-endian int32)
 - ``chunking``    the chunk-size rule (smallest multiple of the alignment >= minimum)

@@ -1,1 +1,3 @@
-"""HTTP routes. Terse by design: the logic lives in the runtime's components."""
+"""HTTP routes, each declared from its ``contract.endpoints`` entry (``declare``).
+
+Terse by design: the logic lives in the runtime's components."""

@@ -6,10 +6,11 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from app import __version__
-from app.bodies import json_body_doc, read_json
-from app.deps import GUARDED, GUARDED_RESPONSES, RuntimeDep
-from app.problems import problem_doc
+from app.bodies import read_json
+from app.deps import RuntimeDep
+from app.routes.declare import declare
 from app.state import Runtime
+from contract import endpoints
 from contract.schemas import (
     ChunkSizeResponse,
     ClusterResponse,
@@ -23,25 +24,7 @@ __all__ = ["router"]
 router = APIRouter(tags=["control"])
 
 
-@router.post(
-    "/negotiate",
-    dependencies=GUARDED,
-    response_model=NegotiateResponse,
-    summary="Negotiate the chunk size",
-    description=(
-        "Select (first caller) or confirm the server's chunk size: the smallest multiple "
-        "of `required_alignment` at or above the configured minimum. Success is reported "
-        "only after the size is bound to every chunk-dependent part."
-    ),
-    responses={
-        **GUARDED_RESPONSES,
-        409: problem_doc("Incompatible alignment, or resize after sessions"),
-        415: problem_doc("A body that is not JSON"),
-        422: problem_doc("Malformed or out-of-range input"),
-        503: problem_doc("A binding failed; retry (resumes), see Retry-After"),
-    },
-    openapi_extra=json_body_doc(NegotiateRequest),
-)
+@declare(router, endpoints.NEGOTIATE)
 async def negotiate(request: Request, runtime: RuntimeDep) -> NegotiateResponse:
     body = await read_json(request, NegotiateRequest)
     # The authority's lock may wait for a binding: off the event loop.
@@ -60,11 +43,7 @@ def _negotiate(body: NegotiateRequest, runtime: Runtime) -> NegotiateResponse:
     )
 
 
-@router.get(
-    "/chunk-size",
-    response_model=ChunkSizeResponse,
-    summary="Read the chunk size (never selects or freezes it)",
-)
+@declare(router, endpoints.CHUNK_SIZE)
 def chunk_size(runtime: RuntimeDep) -> ChunkSizeResponse:
     snap = runtime.chunk_size.snapshot()
     return ChunkSizeResponse(
@@ -77,7 +56,7 @@ def chunk_size(runtime: RuntimeDep) -> ChunkSizeResponse:
     )
 
 
-@router.get("/health", response_model=HealthResponse, summary="Liveness and identity")
+@declare(router, endpoints.HEALTH)
 async def health(runtime: RuntimeDep) -> HealthResponse:
     # On the event loop (no thread-pool hop): nothing here waits on a negotiation.
     state = runtime.chunk_size.state
@@ -95,17 +74,7 @@ async def health(runtime: RuntimeDep) -> HealthResponse:
     )
 
 
-@router.get(
-    "/cluster",
-    response_model=ClusterResponse,
-    summary="The deployment: its chunk size, live members, coordinator and L2 state",
-    description=(
-        "With `--coordinator-url`, asks the coordinator (Redis/Valkey) for the "
-        "deployment's published chunk size and its live members; standalone, lists this "
-        "server alone. Never selects or freezes anything. When Redis cannot be reached "
-        "the reply still comes, with `coordinator: down` and no members."
-    ),
-)
+@declare(router, endpoints.CLUSTER)
 def cluster(runtime: RuntimeDep) -> ClusterResponse:
     # A plain function: FastAPI runs it in its thread pool, off the event loop.
     return runtime.cluster()

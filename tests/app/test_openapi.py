@@ -1,4 +1,5 @@
-"""The committed OpenAPI document matches the app, and the docs show examples."""
+"""The committed OpenAPI document matches the app and the endpoint table, and the
+docs show examples."""
 
 from __future__ import annotations
 
@@ -9,12 +10,64 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from contract import schemas
+from app.routes.declare import route_kwargs
+from contract import endpoints, schemas
+from contract.endpoints import ENDPOINTS, Endpoint
 from scripts.gen_openapi import TARGET, render
+
+_METHODS = {"get", "put", "post", "delete", "patch", "head", "options", "trace"}
 
 
 def test_openapi_file_is_in_sync() -> None:
     assert TARGET.read_text() == render(), "openapi/openapi.json is stale: run `make openapi`"
+
+
+def _ref(media: dict[str, Any]) -> str | None:
+    ref = media.get("schema", {}).get("$ref")
+    return ref.rsplit("/", 1)[-1] if ref else None
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS, ids=[e.name for e in ENDPOINTS])
+def test_every_table_entry_is_served_as_written(endpoint: Endpoint[Any, Any]) -> None:
+    spec = json.loads(render())
+    op = spec["paths"][endpoint.path][endpoint.method.lower()]
+    assert op["summary"] == endpoint.summary
+    assert op.get("description") == endpoint.description
+    body = op.get("requestBody", {}).get("content", {})
+    request = endpoint.request.__name__ if endpoint.request is not None else None
+    assert _ref(body.get("application/json", {})) == request
+    binary = endpoint.binary_body
+    assert set(body) - {"application/json"} == ({binary.media_type} if binary else set())
+    if binary is not None:
+        assert body[binary.media_type]["schema"]["description"] == binary.description
+    success = op["responses"][str(endpoint.status)]
+    response = endpoint.response.__name__ if endpoint.response is not None else None
+    assert _ref(success.get("content", {}).get("application/json", {})) == response
+    problems = {int(s): r for s, r in op["responses"].items() if int(s) != endpoint.status}
+    assert {s: r["description"] for s, r in problems.items()} == endpoint.all_problems()
+    for reply in problems.values():
+        assert _ref(reply["content"]["application/json"]) == "Problem"
+    assert ("401" in op["responses"]) == endpoint.guarded
+
+
+def test_every_json_operation_has_a_table_entry() -> None:
+    """A route declared without an entry in contract/endpoints.py fails here."""
+    spec = json.loads(render())
+    served = {
+        (method.upper(), path)
+        for path, operations in spec["paths"].items()
+        for method in operations
+        if method in _METHODS
+    }
+    table = [(e.method, e.path) for e in ENDPOINTS]
+    assert len(set(table)) == len(table), "two table entries for one operation"
+    assert served == set(table)
+    assert len({e.name for e in ENDPOINTS}) == len(ENDPOINTS)
+
+
+def test_a_slashed_parameter_is_matched_whole() -> None:
+    """``instance_id`` may hold ``/`` (sent as ``%2F``): its route takes the decoded rest."""
+    assert route_kwargs(endpoints.UNREGISTER)["path"] == "/register/{instance_id:path}/{rank}"
 
 
 def _body_models(spec: dict[str, Any]) -> set[str]:

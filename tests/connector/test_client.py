@@ -1,4 +1,4 @@
-"""Contract tests (respx) for every control call of both clients."""
+"""Contract tests (respx, MockTransport) for every control call of both clients."""
 
 from __future__ import annotations
 
@@ -19,11 +19,14 @@ from connector.errors import (
     ServerTimeout,
     ServerUnreachable,
 )
+from contract import endpoints
+from contract.endpoints import Endpoint
 from contract.schemas import (
     REGISTRATION_TOKEN_HEADER,
     EndSessionsRequest,
     GroupInfo,
     LayerInfo,
+    LookupAreaRequest,
     LookupItem,
     LookupRequest,
     MemfdTensor,
@@ -496,3 +499,93 @@ async def test_async_calls_carry_the_client_headers() -> None:
         await client.aclose()
     assert [r.headers["authorization"] for r in seen] == ["Bearer s3cret"] * 2
     assert [r.extensions["timeout"]["read"] for r in seen] == [0.5, 0.125]
+
+
+# ------------------------------------------------------------- the endpoint table
+
+# Each named call of both clients: its table entry, its arguments, and the path its
+# parameters fill in (the entry's own path where it has none).
+OPERATIONS: list[tuple[str, Endpoint[Any, Any], tuple[Any, ...], str | None]] = [
+    ("negotiate", endpoints.NEGOTIATE, (NegotiateRequest(required_alignment=96),), None),
+    ("health", endpoints.HEALTH, (), None),
+    ("chunk_size", endpoints.CHUNK_SIZE, (), None),
+    ("registration_info", endpoints.REGISTRATION_INFO, (), None),
+    ("register", endpoints.REGISTER, (REGISTER_BODY,), None),
+    ("unregister", endpoints.UNREGISTER, ("eng/0", 1), "/register/eng%2F0/1"),
+    ("lookup", endpoints.LOOKUP, (b"MPL1",), None),
+    (
+        "register_lookup_area",
+        endpoints.REGISTER_LOOKUP_AREA,
+        (LookupAreaRequest(ticket="t-1"),),
+        None,
+    ),
+    ("store", endpoints.STORE, (StoreRequest(instance_id="eng", rank=0, requests=[ITEM]),), None),
+    (
+        "retrieve",
+        endpoints.RETRIEVE,
+        (RetrieveRequest(instance_id="eng", rank=0, requests=[ITEM]),),
+        None,
+    ),
+    ("end_sessions", endpoints.END, (EndSessionsRequest(request_ids=["r1"]),), None),
+]
+OPERATION_IDS = [name for name, *_ in OPERATIONS]
+
+
+def _table_server(endpoint: Endpoint[Any, Any], seen: list[httpx.Request]) -> httpx.MockTransport:
+    """Answer with the entry's success status and an example of its reply model."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if endpoint.response is None:
+            return httpx.Response(endpoint.status)
+        example = endpoint.response.model_json_schema()["examples"][0]
+        return httpx.Response(endpoint.status, json=example)
+
+    return httpx.MockTransport(handler)
+
+
+def _check_sent(
+    seen: list[httpx.Request], endpoint: Endpoint[Any, Any], path: str | None, result: Any
+) -> None:
+    assert [(r.method, r.url.raw_path.decode()) for r in seen] == [
+        (endpoint.method, path or endpoint.path)
+    ]
+    if endpoint.response is None:
+        assert result is None
+    else:
+        assert type(result) is endpoint.response
+
+
+def test_both_clients_make_the_same_calls() -> None:
+    def calls(cls: type) -> set[str]:
+        return {name for name in dir(cls) if not name.startswith("_")}
+
+    assert calls(ControlClient) - {"close"} == set(OPERATION_IDS)
+    assert calls(AsyncControlClient) - {"aclose"} == set(OPERATION_IDS)
+
+
+@pytest.mark.parametrize(("name", "endpoint", "args", "path"), OPERATIONS, ids=OPERATION_IDS)
+def test_each_call_sends_its_table_entry(
+    name: str, endpoint: Endpoint[Any, Any], args: tuple[Any, ...], path: str | None
+) -> None:
+    seen: list[httpx.Request] = []
+    c = ControlClient(URL, timeout_s=1, transport=_table_server(endpoint, seen))
+    try:
+        result = getattr(c, name)(*args)
+    finally:
+        c.close()
+    _check_sent(seen, endpoint, path, result)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("name", "endpoint", "args", "path"), OPERATIONS, ids=OPERATION_IDS)
+async def test_each_async_call_sends_its_table_entry(
+    name: str, endpoint: Endpoint[Any, Any], args: tuple[Any, ...], path: str | None
+) -> None:
+    seen: list[httpx.Request] = []
+    c = AsyncControlClient(URL, timeout_s=1, transport=_table_server(endpoint, seen))
+    try:
+        result = await getattr(c, name)(*args)
+    finally:
+        await c.aclose()
+    _check_sent(seen, endpoint, path, result)
