@@ -2,7 +2,7 @@
 # in CPU memory. For CUDA IPC with GPU workers use Dockerfile.gpu (vLLM's CUDA torch).
 #
 #   docker build -t mpcache .
-#   docker run --rm --ipc=host --user "$(id -u vllm-user)" mpcache   # README "Container"
+#   docker run --rm --ipc=host --user "$(id -u vllm-user)" mpcache   # docs/operating.md "Containers"
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \

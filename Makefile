@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # The server's own settings (MPCACHE_HOST, MPCACHE_PORT, ...) apply to `make serve`.
 
-.PHONY: venv e2e-venv redis serve test test-fast lint openapi bench clean
+.PHONY: venv e2e-venv redis serve test test-fast lint openapi docs bench clean
 
 venv:
 	@bash scripts/bootstrap_venv.sh
@@ -41,7 +41,12 @@ lint: venv
 openapi: venv
 	$(PY) scripts/gen_openapi.py
 
-# Ratios against a baseline measured in the same run, round by round (README "Benchmarks").
+# docs/reference.md from the settings and metrics that own it (a test fails when it is stale).
+docs: venv
+	$(PY) scripts/gen_reference.py
+
+# Ratios against a baseline measured in the same run, round by round; each bench ends with
+# the `result:` lines docs/benchmarks.md quotes.
 bench: venv
 	$(PY) bench/negotiate_bench.py
 	$(PY) bench/hash_bench.py

@@ -31,7 +31,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import MIN_ROUNDS, Rounds, load_line
+from bench.common import MIN_ROUNDS, Rounds, load_line, results
 from connector.client import ControlClient
 from contract.frames import LOOKUP_FRAME_MEDIA_TYPE, SEND_PIECE_BYTES, lookup_frame_parts
 from contract.schemas import LookupFrameHeader, LookupFrameItem, LookupResponse
@@ -41,6 +41,8 @@ from tests.support import server_process
 TOKENS = 4096
 CLIENT = "ControlClient.lookup"
 BASELINE = "httpx.Client.request + validation"
+FIGURES = ("ControlClient.lookup / httpx.Client.request + validation",)
+"""What docs/benchmarks.md quotes (bench/common.py ``results``)."""
 
 
 def _cpu_us(call: Callable[[], object]) -> float:
@@ -100,6 +102,7 @@ def main() -> None:
             client.close()
     print(load_line())
     print(rounds.table([BASELINE, CLIENT], BASELINE, unit="us CPU", ratio_label="/ baseline"))
+    print(results(FIGURES, rounds))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,19 @@
-"""What every bench shares: the machine line, rounds, and the tables they print.
+"""What every bench shares: the machine line, rounds, the tables and result lines.
 
 Every bench measures its baseline *between* the calls it measures, round by round,
 so machine noise hits both alike, and runs at least 5 rounds. A figure is reported
 as the median over the rounds with the min-max spread; a ratio is taken within
 each round (measured / that round's baseline) and summarised the same way.
+
+Each bench names the figures docs/benchmarks.md may quote in a module-level
+``FIGURES`` tuple and ends by printing one ``result:`` line for each (``results``);
+tests/test_docs.py checks the page's rows against those names and this format.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -19,10 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 __all__ = [
     "MIN_ROUNDS",
+    "RESULT_LINE",
     "ROOT",
     "Rounds",
     "TokenView",
     "load_line",
+    "result_line",
+    "results",
     "spread",
     "summary",
     "timed_ms",
@@ -46,6 +54,39 @@ def summary(values: Sequence[float], digits: int = 2) -> str:
     lo, hi = spread(values)
     med = statistics.median(values)
     return f"{med:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
+
+
+RESULT_LINE = re.compile(
+    r"result: (?P<figure>.+) = (?P<median>[0-9.]+) \((?P<low>[0-9.]+)-(?P<high>[0-9.]+)\)"
+    r" over (?P<rounds>[0-9]+) rounds?"
+)
+"""A ``result:`` line: ``result: FIGURE = MEDIAN (MIN-MAX) over N rounds``."""
+
+
+def result_line(figure: str, values: Sequence[float], digits: int = 2) -> str:
+    """The one line a bench prints for a figure docs/benchmarks.md quotes."""
+    plural = "" if len(values) == 1 else "s"
+    return f"result: {figure} = {summary(values, digits)} over {len(values)} round{plural}"
+
+
+def results(figures: Sequence[str], *sources: Rounds, digits: int = 2) -> str:
+    """A ``result:`` line per figure, read from whichever of ``sources`` measured it.
+
+    A figure is a row's name, or ``NAME / BASELINE`` for the row's ratio to another
+    within each round. One no source measured (a bench run with options that skip
+    it) is printed as not measured.
+    """
+    lines = []
+    for figure in figures:
+        name, _, baseline = figure.partition(" / ")
+        found = [r for r in sources if name in r.values and (not baseline or baseline in r.values)]
+        if not found:
+            lines.append(f"result: {figure} not measured")
+            continue
+        rounds = found[0]
+        values = rounds.ratios(name, baseline) if baseline else rounds.values[name]
+        lines.append(result_line(figure, values, digits))
+    return "\n".join(lines)
 
 
 def timed_ms(call: Callable[[], object], n: int) -> float:

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import MIN_ROUNDS, Rounds, load_line
+from bench.common import MIN_ROUNDS, Rounds, load_line, results
 from connector.alignment import layout_from_groups
 from connector.config import ConnectorConfig
 from connector.scheduler import SchedulerAdapter
@@ -42,6 +42,13 @@ from tests.support import server_process
 BLOCK_SIZE = 16
 CHUNK = 256
 NAMESPACE = "bench@layout/ws1"
+FIGURES = (
+    "lookup 1k: first call (thread)",
+    "lookup 1k: until answered / GET /health",
+    "lookup 32k: until answered / GET /health",
+    "build_connector_meta 64 x 1k / GET /health",
+)
+"""What docs/benchmarks.md quotes, the first call in ms (bench/common.py ``results``)."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +203,7 @@ def main() -> None:
             sched.shutdown()
     print(load_line())
     print(rounds.table(list(rounds.values), "GET /health", unit="ms", ratio_label="/ GET /health"))
+    print(results(FIGURES, rounds))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import MIN_ROUNDS, Rounds, load_line
+from bench.common import MIN_ROUNDS, Rounds, load_line, results
 from contract.schemas import REGISTRATION_TOKEN_HEADER
 from contract.shm_naming import segment_name
 from dataplane.segments import Segment
@@ -59,6 +59,16 @@ CHUNK = 256
 BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2  # K and V, bf16: 128 KiB
 NAMESPACE = "bench/llama-3-8b-like"
 TINY_NAMESPACE = "bench/tiny"
+FIGURES = (
+    "store (runs) / numpy copy shm -> shm",
+    "retrieve (runs) / numpy copy shm -> shm",
+    "store (random) / numpy copy shm -> shm",
+    "retrieve (random) / numpy copy shm -> shm",
+    "lookup 32k, binary form / GET /health",
+    "lookup 32k, tokens_b64 / GET /health",
+    "lookup 32k, JSON list / GET /health",
+)
+"""What docs/benchmarks.md quotes (bench/common.py ``results``)."""
 TOKENS: dict[str, str] = {}
 """Registration token of each instance (``POST /register`` returned it)."""
 
@@ -281,6 +291,8 @@ def main() -> None:
             target="target <= 1.5",
         )
     )
+    print()
+    print(results(FIGURES, copies, lat))
 
 
 def lookup_rounds(

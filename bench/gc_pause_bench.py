@@ -27,7 +27,10 @@ from app.heap import freeze_startup_objects
 from app.main import create_app
 from app.settings import Settings
 from app.state import build_runtime
-from bench.common import MIN_ROUNDS, Rounds, load_line
+from bench.common import MIN_ROUNDS, Rounds, load_line, results
+
+FIGURES = ("full collection, nothing frozen", "full collection, startup frozen")
+"""What docs/benchmarks.md quotes, in ms (bench/common.py ``results``)."""
 
 
 def _cycles(n: int) -> None:
@@ -71,6 +74,7 @@ def main() -> None:
     print(load_line())
     names = ["full collection, nothing frozen", "full collection, startup frozen"]
     print(rounds.table(names, names[0], unit="ms", ratio_label="/ nothing frozen"))
+    print(results(FIGURES, rounds, digits=1))
 
 
 if __name__ == "__main__":

@@ -29,10 +29,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app import keychain
-from bench.common import MIN_ROUNDS, load_line, spread
+from bench.common import MIN_ROUNDS, Rounds, load_line, results, spread
 
 CHUNK_TOKENS = 256
 KEY = 16
+FIGURES = ("xxh3-128, C loop", "xxh3-128", "sha-256/128", "blake3-128", "blake2b-128")
+"""What docs/benchmarks.md quotes, in us per prompt (bench/common.py ``results``)."""
 
 Chain = Callable[[bytes, bytes], bytes]
 
@@ -146,6 +148,11 @@ def main() -> None:
     for name in missing:
         print(f"not measured: {name}")
     print(f"(cpu: {os.cpu_count()} cores)")
+    per_prompt_us = Rounds()
+    for name, samples in times.items():
+        for seconds in samples:
+            per_prompt_us.add(name, seconds * 1e6)
+    print(results(FIGURES, per_prompt_us, digits=0))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import MIN_ROUNDS, Rounds, load_line, summary
+from bench.common import MIN_ROUNDS, Rounds, load_line, results, summary
 from bench.dataplane_bench import BLOCK, CHUNK, HEAD_DIM, KV_HEADS, TOKENS, KVCache, b64, transfer
 from contract.shm_naming import segment_name
 from dataplane.segments import Segment
@@ -45,6 +45,8 @@ from tests.dataplane.support import register_over
 from tests.support import RedisServer, server_process, wait_until
 
 NAMESPACE = "bench/l2"
+FIGURES = ("L2 hit ratio", "retrieve L2 -> B", "retrieve L1 -> B", "numpy copy shm -> shm")
+"""What docs/benchmarks.md quotes, the retrieves in GB/s (bench/common.py ``results``)."""
 
 
 def _metric(http: httpx.Client, name: str) -> float:
@@ -137,6 +139,7 @@ def main() -> None:
                     assert np.array_equal(kv_a.block(layer, 1, 1), kv_b.block(layer, 1, 1))
                 continue
             hit_ratios.append(hit_ratio)
+            rounds.add("L2 hit ratio", hit_ratio)
             begin = time.perf_counter()
             np.copyto(dst, src)
             rounds.add("numpy copy shm -> shm", nbytes / (time.perf_counter() - begin) / 1e9)
@@ -163,6 +166,7 @@ def main() -> None:
             digits=2,
         )
     )
+    print(results(FIGURES, rounds))
 
 
 if __name__ == "__main__":

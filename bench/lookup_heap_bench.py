@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import MIN_ROUNDS, Rounds, load_line, timed_ms
+from bench.common import MIN_ROUNDS, Rounds, load_line, results, timed_ms
 from bench.scheduler_burst_bench import BLOCK_SIZE, CHUNK, NAMESPACE, _cache_prompts, _prompt
 from contract.frames import LOOKUP_FRAME_MEDIA_TYPE, encode_lookup_frame
 from contract.schemas import LookupFrameHeader, LookupFrameItem
@@ -32,6 +31,12 @@ from contract.tokens import pack_tokens
 from tests.support import server_process
 
 SERVERS = {"keeps freed memory": (), "hands it back": ("--no-keep-freed-memory",)}
+FIGURES = (
+    "lookup (keeps freed memory) / lookup (hands it back)",
+    "minor page faults (keeps freed memory)",
+    "minor page faults (hands it back)",
+)
+"""What docs/benchmarks.md quotes (bench/common.py ``results``)."""
 
 
 def _health(http: httpx.Client) -> None:
@@ -61,7 +66,6 @@ def main() -> None:
     prompts = [_prompt(args.tokens, seed) for seed in range(args.requests)]
     packed = [pack_tokens(p[:end]) for p in prompts]
     rounds = Rounds()
-    faults: dict[str, list[int]] = {name: [] for name in SERVERS}
     with (
         server_process("--chunk-size", str(CHUNK), *SERVERS["keeps freed memory"]) as kept,
         server_process("--chunk-size", str(CHUNK), *SERVERS["hands it back"]) as handed,
@@ -102,7 +106,7 @@ def main() -> None:
                     if r >= 0:
                         rounds.add(f"GET /health ({name})", health)
                         rounds.add(f"lookup ({name})", took)
-                        faults[name].append(taken)
+                        rounds.add(f"minor page faults ({name})", taken)
         finally:
             for http in clients.values():
                 http.close()
@@ -116,15 +120,8 @@ def main() -> None:
                 ratio_label="/ GET /health",
             )
         )
-        lo, hi = min(faults[name]), max(faults[name])
-        print(f"minor page faults per lookup: {statistics.median(faults[name]):.0f} ({lo}-{hi})")
-    kept_ms = rounds.values["lookup (keeps freed memory)"]
-    handed_ms = rounds.values["lookup (hands it back)"]
-    ratios = [a / b for a, b in zip(kept_ms, handed_ms, strict=True)]
-    print(
-        f"lookup, keeps / hands back, within each round: {statistics.median(ratios):.2f} "
-        f"({min(ratios):.2f}-{max(ratios):.2f})"
-    )
+    print(results(FIGURES[:1], rounds))
+    print(results(FIGURES[1:], rounds, digits=0))
 
 
 if __name__ == "__main__":

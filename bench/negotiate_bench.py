@@ -20,8 +20,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import MIN_ROUNDS, Rounds, load_line
+from bench.common import MIN_ROUNDS, Rounds, load_line, results
 from tests.support import server_process
+
+FIGURES = ("POST /negotiate (confirm) / GET /health", "GET /chunk-size / GET /health")
+"""What docs/benchmarks.md quotes (bench/common.py ``results``)."""
 
 
 def main() -> None:
@@ -51,6 +54,7 @@ def main() -> None:
                 rounds.add(name, statistics.median(samples))
     print(load_line())
     print(rounds.table(list(calls), "GET /health", unit="ms", ratio_label="/ GET /health"))
+    print(results(FIGURES, rounds))
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ rounds; median and min-max spread, with the machine load.
 The process freezes its startup heap before the rounds, as vLLM's engine core does
 once its scheduler and connector are built (``vllm.utils.gc_utils.freeze_gc_heap``).
 Garbage collection in this process during a burst, in any thread, is reported on its
-own row: a young collection walks every new request's token list (~3 ms for 64
-lists of 4k ids on the 2-core VM), in whichever thread's allocation triggers it.
+own row: a young collection walks every new request's token list, in whichever
+thread's allocation triggers it.
 
 With one server on this host the connector writes the burst's token ids into a
 lookup area shared with the server and sends a mark per request
@@ -54,7 +54,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import MIN_ROUNDS, Rounds, load_line, summary
+from bench.common import MIN_ROUNDS, Rounds, load_line, results
 from connector.alignment import layout_from_groups
 from connector.config import ConnectorConfig
 from connector.scheduler import SchedulerAdapter
@@ -66,6 +66,14 @@ CHUNK = 256
 NAMESPACE = "bench@burst/ws1"
 POLL_S = 0.001
 BODY_ROW = "every request answered, ids in the body"
+FIGURES = (
+    "first step / GET /health",
+    "longest later step / GET /health",
+    "every request answered / GET /health",
+    "every request answered, ids in the body / GET /health",
+    "every request answered / every request answered, ids in the body",
+)
+"""What docs/benchmarks.md quotes (bench/common.py ``results``)."""
 KV_SHAPE = (
     2,
     BLOCK_SIZE,
@@ -362,9 +370,7 @@ def main() -> None:
         )
     )
     print(f"steps until every request was answered: {statistics.median(steps):.0f} (median)")
-    if args.lookup_area:
-        ratios = rounds.ratios("every request answered", BODY_ROW)
-        print(f"every request answered, lookup area / ids in the body: {summary(ratios)}")
+    print(results([f for f in FIGURES if args.lookup_area or BODY_ROW not in f], rounds))
 
 
 if __name__ == "__main__":

@@ -24,11 +24,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import MIN_ROUNDS, Rounds, TokenView, load_line
+from bench.common import MIN_ROUNDS, Rounds, TokenView, load_line, results
 from connector import tokenpack
 from contract.tokens import pack_range
 
 Pack = Callable[[Sequence[int], int, int], bytes]
+
+FIGURES = ("kernel, as loaded / struct", "kernel, iterator / struct")
+"""What docs/benchmarks.md quotes (bench/common.py ``results``)."""
 
 
 def _burst_ms(pack: Pack, prompts: list[TokenView]) -> tuple[float, list[bytes]]:
@@ -67,6 +70,7 @@ def main() -> None:
     print(load_line())
     names = ["struct", "kernel, iterator", "kernel, as loaded"]
     print(rounds.table(names, "struct", unit="ms", ratio_label="/ struct"))
+    print(results(FIGURES, rounds))
 
 
 if __name__ == "__main__":
