@@ -4,8 +4,8 @@
 step, late answers, the memo); ``LookupSender`` sends each batch on the lookup
 thread, packing and framing it in one place whatever the body carries (token ids,
 or marks of ids written into a lookup area, ``connector.lookup_area``), and asks
-every server that holds some rank's chunks. Neither calls back into the adapter:
-it hands them its links, clients' transport, config, clock and a call-failed
+every server that holds some rank's chunks. Neither calls back into the adapter,
+which hands them its links, the clients' transport, config, clock and a call-failed
 callback.
 """
 
