@@ -1,48 +1,8 @@
 """The connector's settings, parsed once from vLLM's ``kv_connector_extra_config``.
 
-Keys (values may arrive as strings from a JSON command line; they are coerced):
-
-=================================== ============================ =========================
-key                                 meaning                      default
-=================================== ============================ =========================
-``mpcache.server_urls``             list, or comma-separated     ``http://127.0.0.1:8733``
-                                    string, of server base URLs
-``lmcache.mp.server_urls``          same (LMCache spelling)
-``lmcache.mp.host`` / ``.port``     one server as host + port
-``mpcache.heartbeat_interval``      seconds between health pings ``10``
-``lmcache.mp.heartbeat_interval``   same (LMCache spelling)
-``mpcache.request_timeout``         seconds for a control call   ``2``
-                                    on vLLM's thread (store,
-                                    retrieve, register)
-``mpcache.lookup_timeout``          seconds for one lookup       ``1``
-``mpcache.lookup_max_age``          seconds a lookup answer is   ``10``
-                                    reused while a request waits
-                                    for blocks; older answers are
-                                    looked up again (renewing the
-                                    server's lease on the hit
-                                    chunks: keep it well below
-                                    the server's --lease-ttl-s)
-``mpcache.heartbeat_timeout``       seconds for one health ping  ``2``
-``mpcache.startup_timeout``         seconds to keep retrying the ``30``
-                                    first negotiation
-``mpcache.instance_id``             identity shared by the       vLLM's ``engine_id``
-                                    scheduler and its workers
-``mpcache.api_token``               the server's                 unset
-                                    ``MPCACHE_API_TOKEN``, sent
-                                    as a bearer token
-=================================== ============================ =========================
-
-When both spellings are given, the ``mpcache.`` one wins. A ``null`` value means
-"not set".
-
-**Unknown keys** (one rule: never silent inside our two namespaces). vLLM hands one
-dict to every connector, so keys under other prefixes belong to someone else and are
-ignored. An unknown ``mpcache.*`` key is refused at startup, naming the closest known
-key: a typo must not leave a default in force. An ``lmcache.mp.*`` key mpcache does not
-implement (e.g. ``lmcache.mp.mq_timeout``) is accepted, since a config written for
-LMCache may be reused as is, and listed once in a warning saying it has no effect.
-
-A bad value raises ``ConfigError`` naming the key, at startup.
+``parse_extra_config`` builds the frozen ``ConnectorConfig``, whose docstring lists
+every key with its meaning and default. A bad value, or an unknown ``mpcache.*``
+key, raises ``ConfigError`` naming the key, at startup.
 """
 
 from __future__ import annotations
@@ -143,6 +103,44 @@ class ConnectorConfig(BaseModel):
 
     Built from the extra-config keys by ``parse_extra_config``; tests and tools may
     also build it from the field names.
+
+    Keys (values may arrive as strings from a JSON command line; they are coerced):
+
+    =================================== ============================ =========================
+    key                                 meaning                      default
+    =================================== ============================ =========================
+    ``mpcache.server_urls``             list, or comma-separated     ``http://127.0.0.1:8733``
+                                        string, of server base URLs
+    ``lmcache.mp.server_urls``          same (LMCache spelling)
+    ``lmcache.mp.host`` / ``.port``     one server as host + port
+    ``mpcache.heartbeat_interval``      seconds between health pings ``10``
+    ``lmcache.mp.heartbeat_interval``   same (LMCache spelling)
+    ``mpcache.request_timeout``         seconds for a control call   ``2``
+                                        on vLLM's thread (store,
+                                        retrieve, register)
+    ``mpcache.lookup_timeout``          seconds for one lookup       ``1``
+    ``mpcache.lookup_max_age``          seconds a lookup answer is   ``10``
+                                        reused while a request waits
+                                        for blocks; older answers are
+                                        looked up again (renewing the
+                                        server's lease on the hit
+                                        chunks: keep it well below
+                                        the server's --lease-ttl-s)
+    ``mpcache.heartbeat_timeout``       seconds for one health ping  ``2``
+    ``mpcache.startup_timeout``         seconds to keep retrying the ``30``
+                                        first negotiation
+    ``mpcache.lookup_area``             with one server, write       ``true``
+                                        lookups' token ids into
+                                        shared memory (a lookup area)
+    ``mpcache.instance_id``             identity shared by the       vLLM's ``engine_id``
+                                        scheduler and its workers
+    ``mpcache.api_token``               the server's                 unset
+                                        ``MPCACHE_API_TOKEN``, sent
+                                        as a bearer token
+    =================================== ============================ =========================
+
+    When both spellings are given, the ``mpcache.`` one wins. A ``null`` value means
+    "not set".
     """
 
     model_config = ConfigDict(
@@ -214,7 +212,16 @@ def _check_keys(extra: Mapping[str, Any]) -> None:
 
 
 def parse_extra_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
-    """Build a ``ConnectorConfig``; raise ``ConfigError`` naming the bad key."""
+    """Build a ``ConnectorConfig``; raise ``ConfigError`` naming the bad key.
+
+    **Unknown keys** (one rule: never silent inside our two namespaces). vLLM hands
+    one dict to every connector, so keys under other prefixes belong to someone else
+    and are ignored. An unknown ``mpcache.*`` key is refused at startup, naming the
+    closest known key: a typo must not leave a default in force. An ``lmcache.mp.*``
+    key mpcache does not implement (e.g. ``lmcache.mp.mq_timeout``) is accepted,
+    since a config written for LMCache may be reused as is, and listed once in a
+    warning saying it has no effect.
+    """
     values = {k: v for k, v in (extra or {}).items() if v is not None}
     _check_keys(values)
     try:

@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 import httpx
 
 from connector.client import AsyncControlClient
+from connector.config import ConnectorConfig
 from connector.errors import ConnectorError
 from connector.servers import ServerLink
 
@@ -79,6 +80,27 @@ class Heartbeat:
         self._stopping = False
         self._start_lock = threading.Lock()
         self.rounds = 0
+
+    @classmethod
+    def for_adapter(
+        cls,
+        links: Sequence[ServerLink],
+        config: ConnectorConfig,
+        *,
+        recover: RecoverFn,
+        name: str,
+        transport_factory: AsyncTransportFactory | None = None,
+    ) -> Heartbeat:
+        """An adapter's heartbeat, timed and authenticated by its config (not started)."""
+        return cls(
+            links,
+            interval_s=config.heartbeat_interval_s,
+            timeout_s=config.heartbeat_timeout_s,
+            recover=recover,
+            name=name,
+            transport_factory=transport_factory,
+            api_token=config.api_token,
+        )
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -1,22 +1,19 @@
 """The scheduler's lookup area: shared memory its lookups' token ids go through.
 
 A burst of new requests sends the server every prompt's ids (1 MiB for 64 prompts
-of 4k tokens); through HTTP that is a third of the burst's time (README,
-Benchmarks). When the server is on this host, the scheduler instead writes the ids
-into a memfd it registered with the server once (``app.lookup_areas``) and sends
-only a mark per request (``contract.frames.lookup_frame_marks``).
+of 4k tokens), and through HTTP that is much of the burst's time
+(bench/scheduler_burst_bench.py runs a burst both ways). When the server is on this
+host, the scheduler instead writes the ids into a memfd it registered with the
+server once (``app.lookup_areas``) and sends only a mark per request
+(``contract.frames.lookup_frame_marks``).
 
 The memfd is sealed against shrinking and growing, passed over the server's
 registration socket, and lives as long as that connection (``RegistrationChannel``):
-a server restart forgets it, and the next lookup that names it is refused (404),
-after which the connector sends ids in the body again and registers a new area.
-Where the server is on another host, has no socket this process can reach, or
-refuses the area, lookups simply keep the body form.
-
-Only the lookup thread writes the area, one batch at a time (a batch's marks are
-all sent before its reply comes, and the next batch starts after it). A batch whose
-call failed (a timeout, say) may still be read by the server, so the scheduler
-then closes that area, never writing it again, and registers a new one.
+a server restart forgets it, and the next lookup that names it is refused (404).
+When to register, retry and give an area up is the lookup path's
+(``connector.lookups``); only its lookup thread writes the area, one batch at a
+time (a batch's marks are all sent before its reply comes, and the next batch
+starts after it).
 """
 
 from __future__ import annotations

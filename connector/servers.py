@@ -1,13 +1,11 @@
 """One adapter's view of its mpcache server(s): negotiation and health state.
 
 ``ServerLink`` pairs a server's blocking client with the health this adapter
-believes it has. It is shared by vLLM's thread (reads ``healthy``; marks the
-server suspect when a call fails, ``call_failed``) and the heartbeat thread (pings,
-recovers, marks healthy), so transitions take a lock and each one is logged once.
-
-The rules both adapters share live here too: the negotiation body
-(``negotiate_request``), the exact-size check when re-joining a restarted server
-(``renegotiate``) and which failed calls make a server suspect (``call_failed``).
+believes it has. The set-up both adapters share lives here too: a link per server
+URL (``open_links``), negotiating with every server and agreeing on one size
+(``join``), and the rules behind them: the negotiation body (``negotiate_request``),
+the exact-size check when re-joining a restarted server (``renegotiate``) and which
+failed calls make a server suspect (``ServerLink.call_failed``).
 """
 
 from __future__ import annotations
@@ -15,10 +13,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal
 
-from connector.client import AsyncControlClient, ControlClient
+from connector.alignment import check_chunk_size
+from connector.client import AsyncControlClient, ControlClient, TransportFactory
+from connector.config import ConnectorConfig
 from connector.errors import (
     ConnectorError,
     RecoveryError,
@@ -30,10 +30,15 @@ from connector.errors import (
 from contract.schemas import NegotiateRequest, NegotiateResponse
 
 __all__ = [
+    "AgreeFn",
     "ServerLink",
     "agree_chunk_size",
+    "blocking_client",
+    "close_links",
+    "join",
     "negotiate_request",
     "negotiate_until",
+    "open_links",
     "ranks_of_server",
     "renegotiate",
     "server_for_rank",
@@ -43,7 +48,12 @@ logger = logging.getLogger("mpcache.connector")
 
 
 class ServerLink:
-    """A server URL, its blocking client, and this adapter's view of its health."""
+    """A server URL, its blocking client, and this adapter's view of its health.
+
+    Shared by vLLM's thread (reads ``healthy``; marks the server suspect when a call
+    fails, ``call_failed``) and the heartbeat thread (pings, recovers, marks healthy),
+    so transitions take a lock and each one is logged once.
+    """
 
     def __init__(self, url: str, client: ControlClient, *, role: str) -> None:
         self.url = url
@@ -205,6 +215,80 @@ def agree_chunk_size(answers: Mapping[str, int | ConnectorError]) -> int:
         f"{head} (give every server the same --chunk-size, or use one server per model):\n"
         + "\n".join(lines)
     )
+
+
+AgreeFn = Callable[[Mapping[str, int | ConnectorError]], int]
+"""The one size to run with, from each server's answer (``agree_chunk_size``)."""
+
+
+def blocking_client(
+    url: str, config: ConnectorConfig, transport: TransportFactory | None, *, timeout_s: float
+) -> ControlClient:
+    """A blocking client of the server at ``url`` with the adapter's API token."""
+    return ControlClient(
+        url,
+        timeout_s=timeout_s,
+        transport=transport(url) if transport else None,
+        api_token=config.api_token,
+    )
+
+
+def open_links(
+    urls: Iterable[str],
+    config: ConnectorConfig,
+    transport: TransportFactory | None,
+    *,
+    role: str,
+) -> dict[str, ServerLink]:
+    """A link per server URL, its client bounded by ``request_timeout_s``; each is
+    unhealthy until ``join`` (or the heartbeat) marks it healthy."""
+    return {
+        url: ServerLink(
+            url,
+            blocking_client(url, config, transport, timeout_s=config.request_timeout_s),
+            role=role,
+        )
+        for url in urls
+    }
+
+
+def close_links(links: Mapping[str, ServerLink]) -> None:
+    for link in links.values():
+        link.client.close()
+
+
+def join(
+    links: Mapping[str, ServerLink],
+    request: NegotiateRequest,
+    *,
+    timeout_s: float,
+    spans: Iterable[int],
+    agree: AgreeFn = agree_chunk_size,
+) -> int:
+    """Negotiate with every server (retrying for up to ``timeout_s``), agree on one
+    chunk size, check it fits the layout's ``spans``, then mark the servers healthy.
+
+    docs/design.md s.2, connector rules 1-2: a server's refusal or failure reaches
+    ``agree`` as its answer, which raises (``StartupError``) unless every server gave
+    the same size; a size that fits no layout raises ``LayoutError``. The caller
+    closes the links when this raises.
+    """
+    deadline = time.monotonic() + timeout_s
+    answers: dict[str, int | ConnectorError] = {}
+    boots: dict[str, str] = {}
+    for url, link in links.items():
+        try:
+            reply = negotiate_until(link.client, request, deadline)
+        except ServerError as exc:
+            answers[url] = exc
+            continue
+        answers[url] = reply.chunk_size
+        boots[url] = reply.boot_id
+    size = agree(answers)
+    check_chunk_size(size, spans)
+    for url, boot_id in boots.items():
+        links[url].mark_healthy(boot_id)
+    return size
 
 
 def ranks_of_server(urls: Sequence[str], world_size: int) -> dict[str, list[int]]:

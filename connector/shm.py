@@ -1,28 +1,13 @@
 """Sealed memfds that back vLLM's CPU KV cache (zero copy), and the socket that hands
 them to the server.
 
-``MemfdKVSegment.adopt`` moves one torch storage into a new memfd *in place*: it
-creates the memfd (``MFD_CLOEXEC | MFD_ALLOW_SEALING``), allocates its pages
-(``posix_fallocate``: a shortage is an error here, never a fault later), seals it
-against shrinking and growing and seals the seals (``contract.fdpass``), maps it,
-copies the storage's bytes in, and swaps the storage's data pointer with the mapping
-(``UntypedStorage._swap_data_ptr_``). Every tensor and view vLLM holds on that
-storage -- the ``kv_caches`` dict, the attention layers' bound caches, kernel-block
-views -- now reads and writes the memfd, so the server, which maps the descriptor
-the worker passes it, sees the very same pages.
-
-Layout: byte ``i`` of the memfd is byte ``i`` of the storage; a tensor's data starts
-at ``storage_offset() * element_size()`` (the descriptor's ``offset_bytes``).
-
-Ownership: the worker owns the descriptor (``fd``) and closes it at shutdown; the
-*mapping* is owned by the torch storage (its data pointer keeps the mmap alive), so
-vLLM's tensors stay valid after the close. The memory has no name: it goes away when
-the worker and the server have both let go of it, including when the worker dies.
-
-``RegistrationChannel`` is the worker's end of the server's registration socket
-(``contract.fdpass``): it passes the descriptors and gets one-time tickets back,
-and stays connected for the worker's life, which is how the server learns that a
-worker died (its registration is then released).
+``MemfdKVSegment`` moves one torch storage into a sealed memfd in place, so vLLM
+and the server, which maps the descriptor the worker passes it, use the very same
+pages (its docstring gives the layout and who owns what). ``RegistrationChannel``
+is the worker's end of the server's registration socket (``contract.fdpass``): it
+passes the descriptors and gets one-time tickets back, and stays connected for the
+worker's life, which is how the server learns that a worker died (its registration
+is then released).
 
 OS errors are translated into ``SegmentError`` here, and only here.
 """
@@ -71,7 +56,27 @@ def _translate(name: str, action: str) -> Iterator[None]:
 
 
 class MemfdKVSegment:
-    """One sealed memfd holding one torch storage (see module docstring)."""
+    """One sealed memfd holding one torch storage.
+
+    ``adopt`` moves the storage into a new memfd *in place*: it creates the memfd
+    (``MFD_CLOEXEC | MFD_ALLOW_SEALING``), allocates its pages (``posix_fallocate``:
+    a shortage is an error here, never a fault later), seals it against shrinking
+    and growing and seals the seals (``contract.fdpass``), maps it, copies the
+    storage's bytes in, and swaps the storage's data pointer with the mapping
+    (``UntypedStorage._swap_data_ptr_``). Every tensor and view vLLM holds on that
+    storage -- the ``kv_caches`` dict, the attention layers' bound caches,
+    kernel-block views -- now reads and writes the memfd.
+
+    Layout: byte ``i`` of the memfd is byte ``i`` of the storage; a tensor's data
+    starts at ``storage_offset() * element_size()`` (the descriptor's
+    ``offset_bytes``).
+
+    Ownership: the worker owns the descriptor (``fd``) and closes it at shutdown;
+    the *mapping* is owned by the torch storage (its data pointer keeps the mmap
+    alive), so vLLM's tensors stay valid after the close. The memory has no name:
+    it goes away when the worker and the server have both let go of it, including
+    when the worker dies.
+    """
 
     def __init__(self, name: str, fd: int, nbytes: int) -> None:
         self.name = name

@@ -6,9 +6,9 @@ Packing is most of the connector's own work in a lookup: a burst of 64 new
 packing); ``tokenpack.c`` walks them once. On CPython 3.10 and 3.11 (64-bit,
 release builds) it reads a list's items and each int's digits in place
 ("direct"), which vLLM's ``ConstantList`` allows too since it iterates its list;
-elsewhere it goes through the iterator protocol, one C API call per id. The
-figures (``bench/token_pack_bench.py``) are in the README; either way the bytes
-are struct's (``tests/connector/test_tokenpack.py``).
+elsewhere it goes through the iterator protocol, one C API call per id.
+``bench/token_pack_bench.py`` measures both ways against struct; either way the
+bytes are struct's (``tests/connector/test_tokenpack.py``).
 
 ``load`` builds the kernel with ``contract.kernels`` (compiled once per source,
 cached) and returns a ``TokenPacker``: native where the kernel loads and packs a

@@ -2,19 +2,8 @@
 
 Runs in each vLLM worker process. At start it negotiates with its own server
 (chosen by rank, ``connector.servers.server_for_rank``), then
-``register_kv_caches`` shares the KV cache with that server:
-
-- CPU tensors: their storages move into sealed memfds in place (``connector.shm``),
-  so vLLM and the server use the same pages. Each registration passes the
-  descriptors over the server's registration socket (``GET /register`` names it)
-  for one-time tickets, then registers with those; the socket stays connected for
-  the worker's life, so a dead worker's registration is released by the server;
-- CUDA tensors: IPC handles (``contract.cuda_ipc``, Note [mpcache CUDA IPC invariants]).
-
-The registration's secret (``registration_token``) is the worker's own, chosen once
-and sent with its first registration too, so a registration whose reply was lost
-(the server was slow) is refreshed by the retry rather than refused as another
-client's. It goes with every store, retrieve, unregister and re-registration.
+``register_kv_caches`` shares the KV cache with that server
+(``connector.registration``).
 
 Each step makes at most one ``/cache/retrieve`` (``start_load_kv``) and one
 ``/cache/store`` (``wait_for_save``) call, batching every request of the step.
@@ -25,59 +14,37 @@ request) so vLLM recomputes it. While the server is unhealthy or the caches are 
 registered, stores are skipped and loads are reported failed; nothing raises.
 If anything unexpected escapes a load (a CUDA error, a bad reply), every load of
 the step is reported failed before the error propagates, never finished with
-unwritten blocks.
-
-Timeouts (the rule for every call that hands blocks to the server): a store or
-retrieve waits ``request_timeout_s`` (``T``) for its reply, counted by httpx from
-when the request has been sent; once it gives up, vLLM reuses the blocks. So the
-call carries ``timeout_s = server_budget_s(T) = 0.75 * T`` and the server, counting
-from receipt, commits no further chunk and writes no further block once that budget
-has passed (``contract.schemas`` ``_TransferBatch.timeout_s``). The server stops at about
-``send + transit + 0.75 * T``, before the client gives up at ``send + T``, as long as
-the one-way transit plus the chunk copy in flight at the deadline take less than
-``0.25 * T`` (0.5 s with the default ``T`` of 2 s). A call without this budget, or a
-client timeout shorter than the one the budget was computed from, breaks the rule.
+unwritten blocks. Every call that hands blocks to the server carries a budget
+shorter than its client's timeout (``server_budget_s``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import secrets
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from connector.alignment import KVLayout, check_chunk_size
-from connector.client import AsyncControlClient, ControlClient, TransportFactory
+from connector.alignment import KVLayout
+from connector.client import AsyncControlClient, TransportFactory
 from connector.config import ConnectorConfig
-from connector.errors import LayoutError, SegmentError, ServerError, StartupError
+from connector.errors import ConnectorError, SegmentError, ServerError, StartupError
 from connector.heartbeat import AsyncTransportFactory, Heartbeat
 from connector.metadata import StepPlan, TransferOp
+from connector.registration import KVRegistration
 from connector.servers import (
     ServerLink,
+    close_links,
+    join,
     negotiate_request,
-    negotiate_until,
+    open_links,
     ranks_of_server,
     renegotiate,
     server_for_rank,
 )
-from connector.shm import MemfdKVSegment, RegistrationChannel, memfd_name
-from contract.cuda_ipc import describe as describe_cuda_tensor
-from contract.dtypes import dtype_name
-from contract.schemas import (
-    GroupInfo,
-    LayerInfo,
-    MemfdTensor,
-    NegotiateRequest,
-    RegisterRequest,
-    RegisterResponse,
-    RetrieveRequest,
-    StoreRequest,
-    TensorDescriptor,
-)
+from connector.shm import MemfdKVSegment
+from contract.schemas import NegotiateRequest, RegisterRequest, RetrieveRequest, StoreRequest
 
 __all__ = ["SERVER_BUDGET_FRACTION", "WorkerAdapter", "server_budget_s"]
 
@@ -92,47 +59,19 @@ _MAX_SERVER_BUDGET_S = 3600.0  # the schema's bound on timeout_s
 def server_budget_s(client_timeout_s: float) -> float:
     """The ``timeout_s`` to send with a call the client waits ``client_timeout_s`` for.
 
-    Strictly less than the client's timeout, leaving a quarter of it for transit and
-    the chunk in flight (see the module docstring).
+    The rule for every call that hands blocks to the server: a store or retrieve
+    waits ``request_timeout_s`` (``T``) for its reply, counted by httpx from when the
+    request has been sent; once it gives up, vLLM reuses the blocks. So the call
+    carries ``timeout_s = server_budget_s(T) = 0.75 * T`` and the server, counting
+    from receipt, commits no further chunk and writes no further block once that
+    budget has passed (``contract.schemas`` ``_TransferBatch.timeout_s``). The server
+    stops at about ``send + transit + 0.75 * T``, before the client gives up at
+    ``send + T``, as long as the one-way transit plus the chunk copy in flight at the
+    deadline take less than ``0.25 * T`` (0.5 s with the default ``T`` of 2 s). A
+    call without this budget, or a client timeout shorter than the one the budget
+    was computed from, breaks the rule.
     """
     return min(SERVER_BUDGET_FRACTION * client_timeout_s, _MAX_SERVER_BUDGET_S)
-
-
-def _block_view(tensor: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, int]:
-    """``tensor`` (or a view of it) and the dimension that indexes vLLM blocks.
-
-    vLLM's known layouts are tried before any size matching, so a dimension that
-    happens to equal ``num_blocks`` (2 KV planes, the head count) is not mistaken
-    for the block dimension:
-
-    1. ``[2, num_blocks, block_size, heads, head_size]`` (5 dims, K/V first): dim 1,
-       even when ``num_blocks == 2``;
-    2. blocks first: vLLM 0.33's ``[blocks, heads, slots, bytes]`` per-layer views,
-       ``[num_blocks, 2, ...]``, MLA and Mamba state: dim 0;
-    3. ``[2, num_blocks, ...]`` at any other rank: dim 1;
-    4. kernel-block split (vLLM ``group_kernel_blocks``): dim 0 holds
-       ``num_blocks * r`` kernel blocks, manager block ``b`` being rows
-       ``[b*r, (b+1)*r)``: viewed as ``[num_blocks, r, ...]``, dim 0.
-    """
-    shape = tuple(tensor.shape)
-    if len(shape) == 5 and shape[0] == 2 and shape[1] == num_blocks:
-        return tensor, 1
-    if shape and shape[0] == num_blocks:
-        return tensor, 0
-    if len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks:
-        return tensor, 1
-    if shape and num_blocks > 0 and shape[0] % num_blocks == 0:
-        return tensor.view(num_blocks, -1, *shape[1:]), 0
-    raise LayoutError(
-        f"no dimension of a KV tensor of shape {shape} indexes the {num_blocks} KV "
-        "cache blocks in a layout mpcache knows ([num_blocks, ...], "
-        "[2, num_blocks, ...] or kernel blocks [num_blocks * r, ...])"
-    )
-
-
-_SEGMENT_TICKET = "segment:{}"
-"""Placeholder ticket of the i-th memfd in the kept registration; a fresh ticket
-replaces it at each registration (tickets are good for one)."""
 
 
 class WorkerAdapter:
@@ -170,51 +109,40 @@ class WorkerAdapter:
         server_ranks = ranks_of_server(config.server_urls, world_size)[url]
         self.server_rank = server_ranks.index(rank)
         self.ranks_on_server = len(server_ranks)
-        self.link = ServerLink(
-            url,
-            ControlClient(
-                url,
-                timeout_s=config.request_timeout_s,
-                transport=transport(url) if transport else None,
-                api_token=config.api_token,
-            ),
-            role=f"worker rank {rank}",
-        )
+        links = open_links([url], config, transport, role=f"worker rank {rank}")
+        self.link = links[url]
         try:
-            reply = negotiate_until(
-                self.link.client,
+            self.chunk_size = join(
+                links,
                 self._negotiate_request(),
-                time.monotonic() + config.startup_timeout_s,
+                timeout_s=config.startup_timeout_s,
+                spans=layout.spans,
+                agree=self._own_size,
             )
-            self.chunk_size = reply.chunk_size
-            check_chunk_size(self.chunk_size, layout.spans)
-        except ServerError as exc:
-            self.link.client.close()
-            raise StartupError(
-                f"worker rank {rank}: chunk-size negotiation with {url} failed: {exc}"
-            ) from exc
         except BaseException:
-            self.link.client.close()
+            close_links(links)
             raise
-        self.link.mark_healthy(reply.boot_id)
-        self.registration: RegisterRequest | None = None
-        """The registration to send, with placeholder tickets (``_with_tickets``)."""
-        self.registered = False
-        self.registration_token = secrets.token_urlsafe(32)
-        self.segments: list[MemfdKVSegment] = []
-        self.channel = RegistrationChannel(config.request_timeout_s)
-        self._uses_cuda = False
+        self._registration = KVRegistration(
+            self.link,
+            layout,
+            instance_id=instance_id,
+            namespace=namespace,
+            chunk_size=self.chunk_size,
+            rank=rank,
+            server_rank=self.server_rank,
+            ranks_on_server=self.ranks_on_server,
+            num_blocks=num_blocks,
+            timeout_s=config.request_timeout_s,
+        )
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._load_errors: set[int] = set()
-        self.heartbeat = Heartbeat(
+        self.heartbeat = Heartbeat.for_adapter(
             [self.link],
-            interval_s=config.heartbeat_interval_s,
-            timeout_s=config.heartbeat_timeout_s,
+            config,
             recover=self._recover,
             name=f"mpcache-heartbeat-worker-{rank}",
             transport_factory=async_transport,
-            api_token=config.api_token,
         )
         if start_heartbeat:
             self.heartbeat.start()
@@ -228,16 +156,42 @@ class WorkerAdapter:
             instance_id=f"{self.instance_id}/{self.rank}",
         )
 
+    def _own_size(self, answers: Mapping[str, int | ConnectorError]) -> int:
+        """The size this worker's one server answered (``servers.join``'s ``agree``)."""
+        ((url, answer),) = answers.items()
+        if isinstance(answer, int):
+            return answer
+        raise StartupError(
+            f"worker rank {self.rank}: chunk-size negotiation with {url} failed: {answer}"
+        ) from answer
+
     # ----------------------------------------------------------- registration
+
+    @property
+    def registration(self) -> RegisterRequest | None:
+        """The registration to send, with placeholder tickets."""
+        return self._registration.request
+
+    @property
+    def registered(self) -> bool:
+        return self._registration.registered
+
+    @property
+    def registration_token(self) -> str:
+        return self._registration.token
+
+    @property
+    def segments(self) -> list[MemfdKVSegment]:
+        """The memfds this worker's CPU KV caches live in (``connector.shm``)."""
+        return self._registration.segments
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         """Share the KV caches with the server; never raises into vLLM's startup
         for a server-side refusal (the worker runs degraded and keeps retrying)."""
-        self.registration = self._build_registration(kv_caches)
-        if self.registration is None:
+        if self._registration.build(kv_caches) is None:
             return
         try:
-            reply = self._register()
+            reply = self._registration.register()
         except ServerError as exc:
             self._call_failed("register", exc, force=True)
             return
@@ -253,120 +207,16 @@ class WorkerAdapter:
             reply.chunk_bytes,
         )
 
-    def _build_registration(self, kv_caches: Mapping[str, Any]) -> RegisterRequest | None:
-        group_of = {
-            name: g.group_id for g in self.layout.cacheable_groups for name in g.layer_names
-        }
-        segment_of_ptr: dict[int, int] = {}
-        layers: list[LayerInfo] = []
-        for name, value in kv_caches.items():
-            group_id = group_of.get(name)
-            if group_id is None:
-                continue  # scratch, transfer-disabled or runner-only layer
-            tensors: Sequence[torch.Tensor] = (
-                [value] if isinstance(value, torch.Tensor) else list(value)
-            )
-            descriptors = [self._describe(t, segment_of_ptr) for t in tensors]
-            layers.append(LayerInfo(name=name, group_id=group_id, tensors=descriptors))
-        if not layers:
-            logger.warning(
-                "mpcache worker rank %d: no KV cache layer belongs to a cacheable group; "
-                "nothing to register",
-                self.rank,
-            )
-            return None
-        groups = [
-            GroupInfo(group_id=g.group_id, kind=g.kind, token_span=g.token_span)
-            for g in self.layout.cacheable_groups
-        ]
-        return RegisterRequest(
-            instance_id=self.instance_id,
-            rank=self.server_rank,
-            world_size=self.ranks_on_server,
-            chunk_size=self.chunk_size,
-            namespace=self.namespace,
-            groups=groups,
-            layers=layers,
-        )
-
-    def _describe(self, tensor: torch.Tensor, segment_of_ptr: dict[int, int]) -> TensorDescriptor:
-        view, block_dim = _block_view(tensor, self.num_blocks)
-        if view.device.type == "cuda":
-            self._uses_cuda = True
-            return describe_cuda_tensor(view, block_dim)  # Note [mpcache CUDA IPC invariants]
-        if view.device.type != "cpu":
-            raise LayoutError(f"KV tensors on {view.device} are not supported")
-        storage = view.untyped_storage()
-        index = segment_of_ptr.get(storage.data_ptr())
-        if index is None:
-            index = len(self.segments)
-            self.segments.append(
-                MemfdKVSegment.adopt(storage, memfd_name(self.rank, len(self.segments)))
-            )
-            segment_of_ptr[storage.data_ptr()] = index
-        return MemfdTensor(
-            ticket=_SEGMENT_TICKET.format(index),
-            offset_bytes=view.storage_offset() * view.element_size(),
-            shape=list(view.shape),
-            stride=list(view.stride()),
-            dtype=dtype_name(view.dtype),
-            block_dim=block_dim,
-        )
-
-    def _with_tickets(self, tickets: Sequence[str]) -> RegisterRequest:
-        """The kept registration with fresh tickets in place of its placeholders."""
-        reg = self.registration
-        assert reg is not None
-        by_placeholder = {_SEGMENT_TICKET.format(i): t for i, t in enumerate(tickets)}
-        layers = [
-            layer.model_copy(
-                update={
-                    "tensors": [
-                        t.model_copy(update={"ticket": by_placeholder[t.ticket]})
-                        if isinstance(t, MemfdTensor)
-                        else t
-                        for t in layer.tensors
-                    ]
-                }
-            )
-            for layer in reg.layers
-        ]
-        return reg.model_copy(update={"layers": layers})
-
-    def _tickets(self, socket_path: str) -> list[str]:
-        """Pass every memfd to the server; their fresh tickets (``SegmentError``)."""
-        if not self.segments:
-            return []
-        return self.channel.handshake(socket_path, [seg.fd for seg in self.segments])
-
-    def _register(self) -> RegisterResponse:
-        """One registration: memfds over the socket, then ``POST /register``."""
-        tickets = self._tickets(self.link.client.registration_info().socket_path)
-        reply = self.link.client.register(
-            self._with_tickets(tickets), registration_token=self.registration_token
-        )
-        self.registration_token = reply.registration_token
-        self.registered = True
-        return reply
-
     def unregister(self) -> None:
         """Drop the server's registration (bounded); keeps the memfds."""
-        if not self.registered:
-            return
-        self.registered = False
-        try:
-            self.link.client.unregister(
-                self.instance_id, self.server_rank, registration_token=self.registration_token
-            )
-        except ServerError as exc:
-            logger.debug("mpcache unregister on %s failed: %s", self.link.url, exc)
+        self._registration.unregister()
 
     def reregister(self) -> None:
         """Register the same caches again (vLLM wake-up after sleep)."""
         if self.registration is None or self.registered:
             return
         try:
-            self._register()
+            self._registration.register()
         except ServerError as exc:
             self._call_failed("register", exc, force=True)
         except SegmentError as exc:
@@ -380,13 +230,7 @@ class WorkerAdapter:
             holder="this worker's registered KV cache",
         )
         if self.registration is not None:
-            info = await client.registration_info()
-            tickets = await asyncio.to_thread(self._tickets, info.socket_path)
-            registered = await client.register(
-                self._with_tickets(tickets), registration_token=self.registration_token
-            )
-            self.registration_token = registered.registration_token
-            self.registered = True
+            await self._registration.register_async(client)
         return reply.boot_id
 
     # ------------------------------------------------------------------ health
@@ -400,7 +244,7 @@ class WorkerAdapter:
             self.heartbeat.wake()
 
     def _sync_device(self) -> None:
-        if self._uses_cuda:
+        if self._registration.uses_cuda:
             torch.cuda.current_stream().synchronize()  # Note [mpcache CUDA IPC invariants]
 
     # ------------------------------------------------------------------- loads
@@ -530,7 +374,5 @@ class WorkerAdapter:
         self.heartbeat.stop()
         if self.link.healthy:
             self.unregister()
-        self.channel.close()
-        for segment in self.segments:
-            segment.close()
+        self._registration.close()
         self.link.client.close()

@@ -14,23 +14,10 @@ neither side parses a token list or base64 text and the body is 3/4 the size::
 
 ``T`` is the sum of the items' ``num_tokens``: the body is exactly
 ``8 + H + P + 4*T`` bytes. The reply is the JSON ``LookupResponse``, one result per
-item, in order. The connector sends a frame as it packs it (``lookup_frame_parts``,
-in a chunked body: item ``i + 1`` is packed while item ``i`` travels); the server
-reads it as it arrives (``LookupFrameReader``; ``decode_lookup_frame`` for a whole
-body) and refuses, with a ``ValueError`` naming the fault, a bad magic, a length
-that does not add up, or a negative token id (a header that does not validate
-raises pydantic's ``ValidationError``, itself a ``ValueError``).
-
-**With a lookup area** (the header's ``area``): the token ids are not in the body
-but in shared memory the client registered (``POST /cache/lookup-areas``), item
-after item from byte 0 as the token section would hold them, and the body carries
-one mark per item instead, its index as uint32 little-endian, written once the
-item's ids are in the area (``lookup_frame_marks``)::
-
-    8+H+P     4*N     the marks: 0, 1, ..., N-1 (N = the number of items)
-
-The reader copies the items' ids out of the area (``AreaFetch``) when their marks
-arrive, so what it hashes is what it keeps.
+item, in order. With a lookup area (the header's ``area``) the ids are in shared
+memory and the body carries a mark per item instead (``lookup_frame_marks``).
+The connector sends a frame as it packs it (``lookup_frame_parts``); the server
+reads it as it arrives (``LookupFrameReader``).
 """
 
 from __future__ import annotations
@@ -79,10 +66,10 @@ def encode_lookup_frame(header: LookupFrameHeader, packed: Sequence[bytes]) -> b
 
 
 SEND_PIECE_BYTES = 64 << 10
-"""What a sender gathers before it writes a piece of a frame. Item by item (15 KiB
-for 3840 tokens), a 1 MiB lookup took 1.3-2 ms more on the 2-core VM (14.1 against
-12.0-12.8 ms, 25 interleaved calls):
-each piece is a chunk to frame, a socket write and a wake-up of the server's loop."""
+"""What a sender gathers before it writes a piece of a frame. Item by item, a large
+lookup (a burst's, as bench/scheduler_burst_bench.py --no-lookup-area sends) costs
+more: each piece is a chunk to frame, a socket write and a wake-up of the server's
+loop."""
 
 
 def lookup_frame_parts(
@@ -115,7 +102,15 @@ def lookup_frame_marks(
     """The frame of ``header`` (which names an area) in pieces: each item's ids are
     given to ``write(offset_bytes, ids)`` as ``packed`` yields them, and its mark
     follows, gathered into a piece once ``piece_bytes`` of ids were written since the
-    last one (so the server works on item ``i`` while item ``i + 1`` is packed)."""
+    last one (so the server works on item ``i`` while item ``i + 1`` is packed).
+
+    With a lookup area the token ids are not in the body but in shared memory the
+    client registered (``POST /cache/lookup-areas``), item after item from byte 0 as
+    the token section would hold them, and the body carries one mark per item, its
+    index as uint32 little-endian, written once the item's ids are in the area::
+
+        8+H+P     4*N     the marks: 0, 1, ..., N-1 (N = the number of items)
+    """
     if header.area is None:
         raise ValueError("a frame of marks needs a header that names its lookup area")
     yield _head(header)
@@ -156,8 +151,11 @@ class LookupFrameReader:
     ``feed`` takes the next bytes and returns the items completed by them, each with
     its token ids, so a server can hash item ``i`` while item ``i + 1`` is still
     arriving; ``close`` checks that the body ended exactly where the items say.
-    Faults raise ``ValueError`` as soon as they are seen (a header that does not
-    validate: pydantic's ``ValidationError``).
+    Faults raise ``ValueError``, naming the fault, as soon as they are seen: a bad
+    magic, a length that does not add up, a negative token id (a header that does
+    not validate: pydantic's ``ValidationError``, itself a ``ValueError``). With a
+    lookup area, the items' ids are copied out of the area (``fetch``) when their
+    marks arrive, so what the server hashes is what it keeps.
     """
 
     def __init__(self, fetch: AreaFetch | None = None) -> None:

@@ -8,8 +8,9 @@ accepted too (``contract.schemas.TokenSpan``), but parsing a long list costs far
 than either compact form, so the connector never sends one.
 
 Packing goes through ``struct`` with an explicit little-endian format: it converts a
-Python list about twice as fast as ``array("i", ...)`` or ``numpy.array``, and is the
-same bytes on every host.
+Python list faster than ``array("i", ...)`` or ``numpy.array`` (bench/
+token_pack_bench.py measures struct against the connector's own kernel), and is
+the same bytes on every host.
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ def check_tokens(tokens: np.ndarray, what: str = "tokens") -> np.ndarray:
 
 
 DECODE_SLICE_CHARS = 1 << 20
-"""Long base64 text is decoded in slices of this many characters (~3 ms each):
-``b64decode`` holds the GIL for its whole call, and a server thread decoding a
-50 MB body in one call would stall the event loop for ~0.3 s."""
+"""Long base64 text is decoded in slices of this many characters: ``b64decode``
+holds the GIL for its whole call, so a server thread decoding a very large body in
+one call would stall the event loop that answers ``/health`` for the whole decode;
+a slice holds it for a short while only."""
 
 
 def decode_tokens(text: str) -> np.ndarray:

@@ -491,14 +491,14 @@ def test_store_planning_failure_costs_that_request_only(
     server = FakeServer(min_chunk_size=64)
     adapter = make(adapters, server)
     blocks = _three_requests(adapter, server)
-    real_store_op = adapter._store_op
+    real_store_op = adapter._planner._store_op
 
     def store_op(st: Any, computed: int) -> TransferOp | None:
         if st.request.request_id == "A":
             raise OverflowError("token id out of int32 range")
         return real_store_op(st, computed)
 
-    monkeypatch.setattr(adapter, "_store_op", store_op)
+    monkeypatch.setattr(adapter._planner, "_store_op", store_op)
     step = StepOutput(
         [NewReq("A", (blocks,), 0), NewReq("B", (blocks,), 0)],
         num_scheduled_tokens={"A": 128, "B": 128},
@@ -530,14 +530,14 @@ def test_load_planning_failure_is_reported_not_lost(
     d = FakeRequest("D", _tokens(200))
     assert ask(adapter, d, 64) == (64, True)
     adapter.update_state_after_alloc(d, FakeBlocks((list(range(60, 73)),)), 64)
-    real_load_op = adapter._load_op
+    real_load_op = adapter._planner._load_op
 
     def load_op(st: Any, local: int, end: int) -> TransferOp | None:
         if st.request.request_id == "D":
             raise IndexError("block ids of a group missing")
         return real_load_op(st, local, end)
 
-    monkeypatch.setattr(adapter, "_load_op", load_op)
+    monkeypatch.setattr(adapter._planner, "_load_op", load_op)
     plan = adapter.build_connector_meta(StepOutput())
     assert [op.request_id for op in plan.loads] == ["C"]
     assert plan.failed_loads == ("D",)
@@ -600,7 +600,7 @@ def test_pending_lookup_answers_none_until_it_lands(adapters: list[SchedulerAdap
 
 
 def _sent(adapter: SchedulerAdapter) -> bool:
-    return not adapter._unsent
+    return not adapter._lookups._unsent
 
 
 def test_lookup_that_never_lands_answers_zero(
@@ -726,7 +726,7 @@ def test_lookups_after_the_lookup_thread_stopped_answer_zero(
 ) -> None:
     server = FakeServer(min_chunk_size=64)
     adapter = make(adapters, server)
-    adapter._lookup_thread.shutdown()
+    adapter._lookups._sender._thread.shutdown()
     a = FakeRequest("A", _tokens(200))
     assert adapter.get_num_new_matched_tokens(a, 0) == (None, False)
     adapter.build_connector_meta(StepOutput())
@@ -741,13 +741,13 @@ def test_tokens_are_packed_once_per_request(
     server = FakeServer(min_chunk_size=64)
     adapter = make(adapters, server)
     packed: list[int] = []
-    real = adapter._packer
+    real = adapter._requests.packer
 
     def counting(tokens: Any, start: int, end: int) -> bytes:
         packed.append(end - start)
         return real(tokens, start, end)
 
-    monkeypatch.setattr(adapter, "_packer", counting)
+    monkeypatch.setattr(adapter._requests, "packer", counting)
     a = FakeRequest("A", _tokens(200))
     assert ask(adapter, a, 0) == (0, False)
     blocks = list(range(1, 14))

@@ -13,9 +13,10 @@ import torch
 
 from connector.alignment import layout_from_groups
 from connector.config import ConnectorConfig
-from connector.errors import LayoutError
+from connector.errors import LayoutError, ServerUnreachable, StartupError
 from connector.metadata import StepPlan, TransferOp
-from connector.worker import WorkerAdapter, _block_view, server_budget_s
+from connector.registration import block_view
+from connector.worker import WorkerAdapter, server_budget_s
 from contract.fdpass import F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, seals_of
 from contract.schemas import RetrieveRequest
 from contract.tokens import encode_tokens
@@ -85,6 +86,20 @@ def _map_memfd(fd: int) -> mmap.mmap:
 
 def _op(rid: str, tokens: list[int], start: int, end: int, blocks: list[int]) -> TransferOp:
     return TransferOp(rid, start, end, encode_tokens(tokens[:end]), [blocks])
+
+
+# ------------------------------------------------------------------- negotiation
+
+
+def test_an_unreachable_server_is_a_startup_error_naming_rank_and_server(
+    workers: list[WorkerAdapter],
+) -> None:
+    server = FakeServer()
+    server.up = False
+    with pytest.raises(StartupError, match=r"worker rank 0: chunk-size negotiation with ") as info:
+        make(workers, server)
+    assert server.url in str(info.value)
+    assert isinstance(info.value.__cause__, ServerUnreachable)
 
 
 # ------------------------------------------------------------------ registration
@@ -191,14 +206,14 @@ def test_block_dim(
     shape: tuple[int, ...], num_blocks: int, dim: int, view_shape: tuple[int, ...] | None
 ) -> None:
     tensor = torch.zeros(shape)
-    view, block_dim = _block_view(tensor, num_blocks)
+    view, block_dim = block_view(tensor, num_blocks)
     assert (block_dim, tuple(view.shape)) == (dim, view_shape or shape)
     assert view.data_ptr() == tensor.data_ptr()  # a view, never a copy
 
 
 def test_block_dim_missing() -> None:
     with pytest.raises(LayoutError, match="indexes the 8 KV cache blocks"):
-        _block_view(torch.zeros(3, 5), NUM_BLOCKS)
+        block_view(torch.zeros(3, 5), NUM_BLOCKS)
 
 
 def test_refused_registration_degrades(workers: list[WorkerAdapter]) -> None:
