@@ -35,6 +35,7 @@ __all__ = ["router"]
 
 router = APIRouter(tags=["cache"])
 
+
 @declare(router, endpoints.LOOKUP)
 async def lookup(request: Request, runtime: RuntimeDep) -> Response:
     reply = await runtime.cache.lookups.serve(request)
