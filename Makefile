@@ -47,7 +47,7 @@ docs: venv
 
 # Ratios against a baseline measured in the same run, round by round; each bench ends with
 # the `result:` lines docs/benchmarks.md quotes.
-bench: venv
+bench: venv e2e-venv
 	$(PY) bench/negotiate_bench.py
 	$(PY) bench/hash_bench.py
 	$(PY) bench/dataplane_bench.py
@@ -58,6 +58,7 @@ bench: venv
 	$(PY) bench/gc_pause_bench.py
 	$(PY) bench/l2_bench.py
 	$(PY) bench/client_call_bench.py
+	$(PY) bench/ttft_bench.py
 
 clean:
 	rm -f $(VENV) .venv-e2e
