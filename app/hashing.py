@@ -4,7 +4,9 @@
 chunk i)``, over the little-endian int32 token bytes, so a key names its whole
 prefix. The seed binds model identity/layout (``namespace``), ``cache_salt`` and the
 chunk size, so chunks of different namespaces, salts or chunk sizes never share a
-key. A partial trailing chunk gets no key. ``content_keys`` is the
+key. Below the chunk, ``unit_keys`` names each leading run of whole alignment units of
+one chunk, ``H(key_{i-1}, tag, tokens of those units)``: a hit may end at any unit
+boundary (docs/design.md s.5), keyed as safely as a chunk. ``content_keys`` is the
 position-independent hash of one chunk's tokens (CacheBlend). Which H, and why it is
 safe for a shared cache: ``TokenHasher``.
 """
@@ -24,6 +26,10 @@ __all__ = ["KEY_BYTES", "TokenHasher"]
 
 KEY_BYTES = 16
 _DOMAIN = b"mpcache/v2/xxh3-128/"
+_UNIT_TAG = b"u/\x00"
+"""Between the previous key and a unit run's tokens: 3 bytes, so a unit key's input
+is never as long as a chunk key's (16 + 4k bytes against 19 + 4k) and the two kinds
+cannot collide by construction."""
 _SEEDS_KEPT = 4096
 
 
@@ -139,6 +145,34 @@ class TokenHasher:
         for i in range(len(keys) * step, num_chunks * step, step):
             prev = digest(prev + raw[i : i + step], key)
             keys.append(prev)
+        return keys
+
+    def unit_keys(
+        self,
+        namespace: str,
+        cache_salt: str | None,
+        prev: bytes | None,
+        tokens: np.ndarray,
+        unit: int,
+        count: int,
+        *,
+        chunk_size: int,
+    ) -> list[bytes]:
+        """Keys of the first 1, 2, ..., ``count`` whole units (``unit`` tokens each) of
+        one chunk's ``tokens``, whose prefix key is ``prev`` (None: the first chunk,
+        whose prefix is the namespace's seed). ``count`` must not pass the tokens
+        given; one running hash gives every key."""
+        if count * unit > len(tokens):
+            raise ValueError(f"{count} units of {unit} tokens is more than {len(tokens)} tokens")
+        if prev is None:
+            prev = self._seed(b"prefix", namespace, cache_salt, chunk_size)
+        raw = _as_tokens(tokens[: count * unit]).data.cast("B")
+        state = xxhash.xxh3_128(prev + _UNIT_TAG, seed=self._key)
+        step = unit * 4
+        keys = []
+        for offset in range(0, count * step, step):
+            state.update(raw[offset : offset + step])
+            keys.append(state.digest())
         return keys
 
     def content_keys(

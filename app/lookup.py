@@ -21,10 +21,12 @@ from starlette.concurrency import run_in_threadpool
 
 from app.bodies import is_json, read_json, span_tokens
 from app.chunk_size import ChunkSizeAuthority
+from app.hashing import TokenHasher
 from app.l2 import L2Tier
 from app.lookup_areas import LookupAreas
 from app.sessions import SessionManager
 from app.telemetry import Telemetry
+from app.units import check_unit, probe_units
 from contract.errors import UnsupportedMediaType
 from contract.frames import LOOKUP_FRAME_MEDIA_TYPE, LookupFrameReader
 from contract.schemas import LookupRequest, LookupResponse, LookupResult, LookupTarget
@@ -47,6 +49,8 @@ class LookupContext:
     """What every lookup call of this server works with."""
 
     sessions: SessionManager
+    hasher: TokenHasher
+    """For the unit keys of the first chunk not cached whole."""
     pool: Pool
     registry: Registry
     """For the chunk layout of L2's keys (a lookup names no registration)."""
@@ -58,8 +62,10 @@ class LookupContext:
 class LookupBatch:
     """One lookup call, served item by item (``Lookups.begin``).
 
-    Per item: the number of leading tokens cached, whole chunks only, each present
-    for every rank in ``range(world_size)``, stopping at the first miss. Its session
+    Per item: the number of leading tokens cached, each chunk present for every rank
+    in ``range(world_size)``, stopping at the first miss; with ``unit_tokens``, then
+    the whole units of that chunk an entry holds for every rank (``app.units``,
+    ``dataplane.pool``), so a hit may end inside a chunk. Its session
     opens (``app.sessions``) and its hits are leased to the request (released at end
     of session, on session expiry, or after ``lease_ttl_s``), so the retrieve that
     follows finds them. ``add_many`` answers its items at once, with one hold of the
@@ -76,16 +82,19 @@ class LookupBatch:
         self._results: list[LookupResult] = []
         self._hits = self._misses = 0
         self._l2_hits = 0
-        # (result index, target, keys past the L1 hits) of items L2 may extend
-        self._l2_candidates: list[tuple[int, LookupTarget, list[bytes]]] = []
+        # (result index, target, L1 hits, keys past them) of items L2 may extend
+        self._l2_candidates: list[tuple[int, LookupTarget, int, list[bytes]]] = []
         self._started = time.perf_counter()
 
     def add(self, item: LookupTarget, tokens: np.ndarray) -> None:
         self.add_many([(item, tokens)])
 
     def add_many(self, items: Sequence[tuple[LookupTarget, np.ndarray]]) -> None:
-        """Answer ``items`` in order (``add`` of each, with one hold of each lock)."""
+        """Answer ``items`` in order (``add`` of each, with one hold of each lock, and
+        one more of the pool's for the units past the chunks)."""
         context, size = self._context, self._size
+        for item, _ in items:
+            check_unit(item.unit_tokens, size, item.request_id)
         opened = context.sessions.keys_for_many(
             [(item.request_id, item.namespace, item.cache_salt, tokens) for item, tokens in items],
             chunk_size=size,
@@ -98,21 +107,63 @@ class LookupBatch:
             ],
             lease_ttl_s=ttl,
         )
+        units_of = self._units(items, opened, hits_of)
         l2 = context.l2 is not None and context.l2.up
         results = self._results
         found = looked_up = 0
-        for (item, _), (session, keys), hits in zip(items, opened, hits_of, strict=True):
-            if hits and ttl > 0:
+        for (item, _), (session, keys), hits, units in zip(
+            items, opened, hits_of, units_of, strict=True
+        ):
+            if (hits or units) and ttl > 0:
                 session.holds_leases = True
             if l2 and hits < len(keys):
-                self._l2_candidates.append((len(results), item, keys[hits:]))
+                self._l2_candidates.append((len(results), item, hits, keys[hits:]))
+            hit_tokens = hits * size + units * (item.unit_tokens or 0)
             # Built validated: model_construct runs in Python and costs more per
             # result than pydantic-core's validation does.
-            results.append(LookupResult(request_id=item.request_id, hit_tokens=hits * size))
-            found += hits
-            looked_up += len(keys)
+            results.append(LookupResult(request_id=item.request_id, hit_tokens=hit_tokens))
+            found += hits + (units > 0)
+            looked_up += len(keys) + (units > 0)
         self._hits += found
         self._misses += looked_up - found
+
+    def _units(
+        self,
+        items: Sequence[tuple[LookupTarget, np.ndarray]],
+        opened: Sequence[tuple[object, list[bytes]]],
+        hits_of: Sequence[int],
+    ) -> list[int]:
+        """Per item, the whole units of its first chunk not cached whole that the pool
+        holds for every rank (leased like chunks); 0 without ``unit_tokens``."""
+        context, size = self._context, self._size
+        probes: list[tuple[int, list[bytes], int, str]] = []
+        for index, ((item, tokens), (_, keys), hits) in enumerate(
+            zip(items, opened, hits_of, strict=True)
+        ):
+            unit = item.unit_tokens
+            count = probe_units(len(tokens), hits, size, unit)
+            if not count or unit is None:
+                continue
+            start = hits * size
+            unit_keys = context.hasher.unit_keys(
+                item.namespace,
+                item.cache_salt,
+                keys[hits - 1] if hits else None,
+                tokens[start : start + count * unit],
+                unit,
+                count,
+                chunk_size=size,
+            )
+            probes.append((index, unit_keys, item.world_size, item.request_id))
+        units = [0] * len(items)
+        if probes:
+            counts = context.pool.lookup_units_many(
+                [(keys, ws, holder) for _, keys, ws, holder in probes],
+                lease_ttl_s=context.lease_ttl_s,
+            )
+            for (index, *_), count in zip(probes, counts, strict=True):
+                units[index] = count
+        return units
 
     @property
     def needs_l2(self) -> bool:
@@ -122,12 +173,13 @@ class LookupBatch:
     def check_l2(self) -> None:
         """Extend each item's L1 hits by the chunks that follow them in L2 (blocking I/O)."""
         candidates, self._l2_candidates = self._l2_candidates, []
-        for index, item, rest in candidates:
+        for index, item, hits, rest in candidates:
             extra = self._l2_leading(item, rest)
             if extra:
+                # Whole chunks from L2 reach past any units of L1's next chunk.
                 old = self._results[index]
                 self._results[index] = LookupResult(
-                    request_id=old.request_id, hit_tokens=old.hit_tokens + extra * self._size
+                    request_id=old.request_id, hit_tokens=(hits + extra) * self._size
                 )
                 self._hits += extra
                 self._misses -= extra

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from app.hashing import TokenHasher
 from app.l2 import CorruptValue, L2Tier, decode_value
 from app.telemetry import Telemetry
 from app.transfers import CheckedItem, TransferCall, Transfers
@@ -20,16 +22,29 @@ __all__ = ["Retrieve"]
 
 logger = logging.getLogger(__name__)
 
-_Pinned = list[tuple[list[np.ndarray], Entry]]
+
+@dataclass(frozen=True)
+class _Part:
+    """What one copy loads: a whole chunk (``units`` 0), or its first ``units`` units."""
+
+    chunk: int
+    units: int
+    ids: list[np.ndarray]
+    """Per group, the chunk's block ids (cut to its units, ``CheckedItem.tail_ids``)."""
+
+
+_Pinned = list[tuple[_Part, Entry]]
 
 
 class Retrieve:
     """Loads each item's chunks from ``start_token`` into the caller's blocks.
 
     Chunks load while each one is cached with the caller's layout *and* holds every
-    block the caller needs (its non-null block ids); ``loaded_tokens`` counts those;
-    every non-null block of the chunks after that, up to the last whole chunk, is
-    listed in ``failed_block_ids``. A chunk L1 lacks is fetched from the L2 tier (if
+    block the caller needs (its non-null block ids); with ``unit_tokens``, the whole
+    units past the last whole chunk load from any entry answering their unit key
+    (``dataplane.pool``), all or nothing. ``loaded_tokens`` counts what loaded; every
+    non-null block of what did not, to ``end_token``'s last whole unit, is listed in
+    ``failed_block_ids``. A chunk L1 lacks is fetched from the L2 tier (if
     any), checked, and promoted into L1 before it is served. The deadline
     (``app.transfers``) is checked before writing each chunk: once it has passed no
     more is written (the client may reuse its blocks), and the rest is reported
@@ -42,10 +57,12 @@ class Retrieve:
         transfers: Transfers,
         pool: Pool,
         copier: CopyPool,
+        hasher: TokenHasher,
         telemetry: Telemetry,
         l2: L2Tier | None = None,
     ) -> None:
         self._transfers = transfers
+        self._hasher = hasher
         self._pool = pool
         self._copier = copier
         self._telemetry = telemetry
@@ -69,50 +86,81 @@ class Retrieve:
     def _retrieve_item(self, call: TransferCall, it: CheckedItem) -> tuple[RetrieveResult, bool]:
         """The item's result, and whether the deadline cut it short."""
         keys, chunks = self._transfers.keys(call, it)
+        parts = [_Part(chunk, 0, it.chunk_ids(call.reg, chunk)) for chunk in chunks]
+        tail, units = it.tail(call.chunk_size)
+        if units and tail <= len(keys):
+            parts.append(_Part(tail, units, it.tail_ids(call.reg, tail, units)))
         timed_out = call.deadline.passed()
-        pinned = [] if timed_out else self._pin(call, it, keys, chunks)
+        pinned = [] if timed_out else self._pin(call, it, keys, parts)
         try:
             loaded, cut = self._load(call, it, pinned)
         finally:
             for _, entry in pinned:
                 self._pool.unpin(entry)
+        unit = it.item.unit_tokens or 0
         result = RetrieveResult(
             request_id=it.item.request_id,
-            loaded_tokens=loaded * call.chunk_size,
-            failed_block_ids=_blocks_of(call.reg, it, chunks[loaded:]),
+            loaded_tokens=sum(
+                part.units * unit if part.units else call.chunk_size for part, _ in pinned[:loaded]
+            ),
+            failed_block_ids=_blocks_of(part.ids for part in parts[loaded:]),
         )
         return result, timed_out or cut
 
     def _pin(
-        self, call: TransferCall, it: CheckedItem, keys: Sequence[bytes], chunks: range
+        self, call: TransferCall, it: CheckedItem, keys: Sequence[bytes], parts: list[_Part]
     ) -> _Pinned:
-        """Pin the leading chunks that can be served (from L1, else promoted from L2),
-        with their block ids; stop at the first that cannot."""
+        """Pin the leading parts that can be served (whole chunks from L1, else promoted
+        from L2; a chunk's first units from any L1 entry answering their unit key);
+        stop at the first that cannot."""
         reg = call.reg
+        layout = reg.layout.signature
         pinned: _Pinned = []
-        for chunk in chunks:
-            ids = it.chunk_ids(reg, chunk)
-            needed = slot_mask(ids)
-            entry = self._pool.pin(keys[chunk], reg.rank, reg.layout.signature, needed)
-            if entry is None and not call.deadline.passed():
-                entry = self._promote(reg, call.chunk_size, keys[chunk], needed)
+        for part in parts:
+            needed = slot_mask(part.ids)
+            entry: Entry | None
+            if part.units:
+                unit_key = self._unit_key(call, it, keys, part)
+                entry = self._pool.pin_unit(unit_key, reg.rank, layout, needed)
+            else:
+                entry = self._pool.pin(keys[part.chunk], reg.rank, layout, needed)
+                if entry is None and not call.deadline.passed():
+                    entry = self._promote(reg, call.chunk_size, keys[part.chunk], needed)
             if entry is None:
                 break
-            pinned.append((ids, entry))
+            pinned.append((part, entry))
         return pinned
 
+    def _unit_key(
+        self, call: TransferCall, it: CheckedItem, keys: Sequence[bytes], part: _Part
+    ) -> bytes:
+        """The unit key of ``part``'s units (``app.hashing``)."""
+        unit, size = it.item.unit_tokens or call.chunk_size, call.chunk_size
+        start = part.chunk * size
+        return self._hasher.unit_keys(
+            it.item.namespace,
+            it.item.cache_salt,
+            keys[part.chunk - 1] if part.chunk else None,
+            it.tokens[start : start + part.units * unit],
+            unit,
+            part.units,
+            chunk_size=size,
+        )[-1]
+
     def _load(self, call: TransferCall, it: CheckedItem, pinned: _Pinned) -> tuple[int, bool]:
-        """Write the pinned chunks into the caller's blocks, in order: how many were
+        """Write the pinned parts into the caller's blocks, in order: how many were
         written, and whether the deadline stopped it."""
         loaded = copied = 0
         cut = False
-        for ids, entry in pinned:
+        for part, entry in pinned:
             if call.deadline.passed():
                 # The client has given up and may reuse its blocks: write no more.
                 cut = True
                 break
             try:
-                copied += scatter_chunk(call.reg.plans, ids, self._pool.view(entry), self._copier)
+                copied += scatter_chunk(
+                    call.reg.plans, part.ids, self._pool.view(entry), self._copier
+                )
             except Exception:
                 logger.exception("retrieve of %r failed at a chunk", it.item.request_id)
                 break
@@ -158,12 +206,12 @@ class Retrieve:
         return self._pool.pin(chunk_key, reg.rank, layout, needed)
 
 
-def _blocks_of(reg: Registration, it: CheckedItem, chunks: range) -> list[int]:
-    """Every non-null block id of ``chunks``, once each, in order (the failed ones)."""
+def _blocks_of(parts: Iterable[list[np.ndarray]]) -> list[int]:
+    """Every non-null block id of ``parts``, once each, in order (the failed ones)."""
     failed: list[int] = []
     seen: set[int] = set()
-    for chunk in chunks:
-        for group_ids in it.chunk_ids(reg, chunk):
+    for ids in parts:
+        for group_ids in ids:
             for block in group_ids[group_ids != 0].tolist():
                 if block not in seen:
                     seen.add(block)

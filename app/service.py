@@ -82,7 +82,7 @@ class CacheService:
         copier = copier or CopyPool(1)
         self._pool_pressure = PoolPressureLog(clock=clock)
         self.lookups = Lookups(
-            LookupContext(sessions, pool, registry, telemetry, lease_ttl_s, l2),
+            LookupContext(sessions, hasher, pool, registry, telemetry, lease_ttl_s, l2),
             chunk_size=chunk_size,
             areas=areas,
         )
@@ -104,7 +104,12 @@ class CacheService:
             l2=l2,
         )
         self._retrieve = Retrieve(
-            transfers=self.transfers, pool=pool, copier=copier, telemetry=telemetry, l2=l2
+            transfers=self.transfers,
+            pool=pool,
+            copier=copier,
+            hasher=hasher,
+            telemetry=telemetry,
+            l2=l2,
         )
         self._registrar = Registrar(
             chunk_size=chunk_size, registry=registry, telemetry=telemetry, gate=gate

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from app.blend import BlendMatcher
 from app.hashing import TokenHasher
 from app.l2 import L2Tier, WriteJob
@@ -17,7 +19,9 @@ __all__ = ["Store"]
 
 
 class Store:
-    """Copies whole chunks in ``[start_token, end_token)`` of each item into the pool.
+    """Copies whole chunks in ``[start_token, end_token)`` of each item into the pool,
+    then, with ``unit_tokens``, the whole units past them (a tail: one entry under its
+    unit key, ``dataplane.pool``; whole chunks also answer their own units' keys).
 
     Per chunk all-or-nothing; a chunk already cached is reported ``present`` and not
     copied. When the pool has no room the chunk and the rest of that item fail (a
@@ -65,81 +69,120 @@ class Store:
 
     def _store_item(self, call: TransferCall, it: CheckedItem) -> tuple[StoreResult, bool]:
         """The item's result, and whether the deadline cut it short."""
-        reg, size, deadline = call.reg, call.chunk_size, call.deadline
         keys, chunks = self._transfers.keys(call, it)
-        stored = present = failed = 0
-        copied = 0
+        tail, units = it.tail(call.chunk_size)
+        todo = [(chunk, 0) for chunk in chunks]
+        if units and tail <= len(keys):
+            todo.append((tail, units))
+        counts = {"stored": 0, "present": 0}
+        failed = copied = 0
         timed_out = False
-        for chunk in chunks:
-            if deadline.passed():
-                timed_out = True
-                failed = chunks.stop - chunk
-                break
-            ids = it.chunk_ids(reg, chunk)
-            mask = slot_mask(ids)
-            content_key = None
-            if self._blend.enabled:
-                chunk_tokens = it.tokens[chunk * size : (chunk + 1) * size]
-                content_key = self._hasher.content_keys(
-                    it.item.namespace, it.item.cache_salt, chunk_tokens, chunk_size=size
-                )[0]
-            entry = self._pool.begin_store(
-                keys[chunk],
-                reg.rank,
-                # A chunk with no data (every block null) is recorded, not copied.
-                nbytes=reg.chunk_bytes if mask else 1,
-                layout=reg.layout.signature,
-                present=mask,
-                content_key=content_key,
-            )
-            if entry == PRESENT:
-                present += 1
+        for n, (chunk, units) in enumerate(todo):
+            outcome, nbytes = self._store_chunk(call, it, keys, chunk, units)
+            copied += nbytes
+            if outcome in counts:
+                counts[outcome] += 1
                 continue
-            if entry is None:
-                failed = chunks.stop - chunk
+            failed = len(todo) - n
+            if outcome == "full":
                 self._pressure.not_stored(failed)
-                break
-            assert isinstance(entry, Entry)
-            try:
-                if mask:
-                    copied += gather_chunk(reg.plans, ids, self._pool.view(entry), self._copier)
-            except BaseException:
-                self._pool.abort(entry)
-                raise
-            if deadline.passed():
-                # The client has given up and may have reused these blocks while they
-                # were copied: the bytes may be torn, so they are never committed.
-                self._pool.abort(entry)
-                timed_out = True
-                failed = chunks.stop - chunk
-                break
-            self._commit(call, it, keys[chunk], entry, mask, content_key)
-            stored += 1
-        self._telemetry.chunks_stored.inc(stored)
+            timed_out = outcome == "late"
+            break
+        self._telemetry.chunks_stored.inc(counts["stored"])
         self._telemetry.copied_bytes.labels("store").inc(copied)
         result = StoreResult(
             request_id=it.item.request_id,
-            stored_chunks=stored,
-            present_chunks=present,
+            stored_chunks=counts["stored"],
+            present_chunks=counts["present"],
             failed_chunks=failed,
         )
         return result, timed_out
+
+    def _store_chunk(
+        self, call: TransferCall, it: CheckedItem, keys: Sequence[bytes], chunk: int, units: int
+    ) -> tuple[str, int]:
+        """Store one chunk (``units`` 0), or the tail of its first ``units`` units:
+        ``(outcome, bytes copied)``, the outcome ``stored``, ``present``, ``full`` (no
+        room) or ``late`` (the deadline passed)."""
+        reg, size = call.reg, call.chunk_size
+        if call.deadline.passed():
+            return "late", 0
+        ids = it.tail_ids(reg, chunk, units) if units else it.chunk_ids(reg, chunk)
+        mask = slot_mask(ids)
+        unit_keys = self._unit_keys(call, it, keys, chunk, units)
+        content_key = None
+        if self._blend.enabled and not units:
+            chunk_tokens = it.tokens[chunk * size : (chunk + 1) * size]
+            content_key = self._hasher.content_keys(
+                it.item.namespace, it.item.cache_salt, chunk_tokens, chunk_size=size
+            )[0]
+        entry = self._pool.begin_store(
+            unit_keys[-1] if units else keys[chunk],
+            reg.rank,
+            # A chunk with no data (every block null) is recorded, not copied.
+            nbytes=reg.chunk_bytes if mask else 1,
+            layout=reg.layout.signature,
+            present=mask,
+            content_key=content_key,
+            unit_keys=unit_keys,
+        )
+        if entry == PRESENT:
+            return "present", 0
+        if entry is None:
+            return "full", 0
+        assert isinstance(entry, Entry)
+        copied = 0
+        try:
+            if mask:
+                copied = gather_chunk(reg.plans, ids, self._pool.view(entry), self._copier)
+        except BaseException:
+            self._pool.abort(entry)
+            raise
+        if call.deadline.passed():
+            # The client has given up and may have reused these blocks while they
+            # were copied: the bytes may be torn, so they are never committed.
+            self._pool.abort(entry)
+            return "late", copied
+        self._commit(call, it, None if units else keys[chunk], entry, mask, content_key)
+        return "stored", copied
+
+    def _unit_keys(
+        self, call: TransferCall, it: CheckedItem, keys: Sequence[bytes], chunk: int, units: int
+    ) -> list[bytes]:
+        """The unit keys the chunk's entry answers (``dataplane.pool``): a tail's
+        ``units``, a whole chunk's all but the last (its own key stands for that one);
+        none without ``unit_tokens``."""
+        unit, size = it.item.unit_tokens, call.chunk_size
+        if unit is None or unit >= size:
+            return []
+        count = units or size // unit - 1
+        start = chunk * size
+        return self._hasher.unit_keys(
+            it.item.namespace,
+            it.item.cache_salt,
+            keys[chunk - 1] if chunk else None,
+            it.tokens[start : start + count * unit],
+            unit,
+            count,
+            chunk_size=size,
+        )
 
     def _commit(
         self,
         call: TransferCall,
         it: CheckedItem,
-        chunk_key: bytes,
+        chunk_key: bytes | None,
         entry: Entry,
         mask: int,
         content_key: bytes | None,
     ) -> None:
-        """Make a copied chunk visible; index it for CacheBlend, queue it for L2."""
+        """Make a copied chunk visible; index it for CacheBlend, queue it for L2 (a
+        whole chunk's ``chunk_key``; tails stay in L1)."""
         self._pool.commit(entry)
         if content_key is not None:
             self._blend.add(content_key)
         l2 = self._l2
-        if l2 is not None:
+        if l2 is not None and chunk_key is not None:
             reg = call.reg
             layout = reg.layout.signature
             ns, size = it.item.namespace, call.chunk_size

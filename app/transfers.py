@@ -21,6 +21,7 @@ from app.bodies import span_tokens
 from app.chunk_size import ChunkSizeAuthority
 from app.sessions import SessionManager
 from app.telemetry import Telemetry
+from app.units import check_unit, tail_units
 from contract.errors import InvalidRequest, Unavailable
 from contract.schemas import RetrieveRequest, StoreRequest, TransferItem
 from dataplane.layout import chunk_block_ids
@@ -69,6 +70,41 @@ class CheckedItem:
             for ids, n in zip(self.block_ids, reg.layout.blocks_per_chunk, strict=True)
         ]
 
+    def tail(self, chunk_size: int) -> tuple[int, int]:
+        """``(chunk, units)``: the whole units (``unit_tokens``) of ``[start_token,
+        end_token)``, clamped to the tokens given, past its whole chunks, in chunk
+        ``chunk``; ``units`` is 0 without a unit or without such units."""
+        end = min(self.item.end_token, len(self.tokens))
+        start = self.item.start_token
+        if end <= start:
+            return start // chunk_size, 0
+        return end // chunk_size, tail_units(start, end, chunk_size, self.item.unit_tokens)
+
+    def tail_ids(self, reg: Registration, chunk: int, units: int) -> list[np.ndarray]:
+        """``chunk_ids`` of a chunk cut to its first ``units`` units: the blocks past
+        them read as null (a tail holds, and a partial load writes, no more)."""
+        size = reg.layout.chunk_size
+        tokens = units * (self.item.unit_tokens or size)
+        cut = []
+        for ids, n in zip(self.chunk_ids(reg, chunk), reg.layout.blocks_per_chunk, strict=True):
+            ids = ids.copy()
+            ids[tokens * n // size :] = 0
+            cut.append(ids)
+        return cut
+
+
+def _check_unit(reg: Registration, item: TransferItem, chunk_size: int) -> None:
+    """Refuse (422) a unit that does not divide the chunk size or that some registered
+    group's token span does not divide (a unit must end on every group's blocks)."""
+    check_unit(item.unit_tokens, chunk_size, item.request_id)
+    spans = [chunk_size // n for n in reg.layout.blocks_per_chunk]
+    if item.unit_tokens is not None and any(item.unit_tokens % span for span in spans):
+        raise InvalidRequest(
+            f"request {item.request_id!r}: unit_tokens {item.unit_tokens} is not a multiple "
+            f"of every registered group's token span {spans}",
+            request_id=item.request_id,
+        )
+
 
 def check_items(
     reg: Registration, items: Sequence[TransferItem], chunk_size: int
@@ -99,6 +135,7 @@ def check_items(
                 f"{item.start_token}",
                 request_id=rid,
             )
+        _check_unit(reg, item, chunk_size)
         if len(item.block_ids) != num_groups:
             raise InvalidRequest(
                 f"request {rid!r}: {len(item.block_ids)} block-id lists for "

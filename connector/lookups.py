@@ -84,6 +84,7 @@ class Lookups:
         world_size: int,
         namespace: str,
         chunk_size: int,
+        unit_tokens: int,
         call_failed: CallFailed,
         failures: FailureLog,
         clock: Callable[[], float],
@@ -97,7 +98,8 @@ class Lookups:
         }
         self._links = tuple(links[url] for url in ranks)
         self._requests = requests
-        self._chunk_size = chunk_size
+        # A hit may end at any multiple of the unit (the required alignment).
+        self._unit = unit_tokens
         self._clock = clock
         self._failures = failures
         self._max_age_s = config.lookup_max_age_s
@@ -107,6 +109,7 @@ class Lookups:
             config,
             {url: (links[url], n) for url, n in ranks.items()},
             namespace=namespace,
+            unit_tokens=unit_tokens if unit_tokens < chunk_size else None,
             call_failed=call_failed,
             failures=failures,
             clock=clock,
@@ -139,17 +142,17 @@ class Lookups:
         return self.available
 
     def hit_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
-        """The tokens from 0 the cache holds for ``request`` (whole chunks, never its
-        last prompt token: vLLM must compute that one to sample), 0 where a lookup
-        cannot help, or ``None`` while its lookup is in flight."""
+        """The tokens from 0 the cache holds for ``request`` (whole alignment units,
+        never its last prompt token: vLLM must compute that one to sample), 0 where a
+        lookup cannot help, or ``None`` while its lookup is in flight."""
         if not self.available:
             self._drop(request.request_id)
             return 0
         if getattr(request, "skip_reading_prefix_cache", False):
             return 0  # vLLM would ignore the answer
         tokens = request.all_token_ids
-        chunk = self._chunk_size
-        lookup_end = (len(tokens) - 1) // chunk * chunk
+        unit = self._unit
+        lookup_end = (len(tokens) - 1) // unit * unit
         if lookup_end <= num_computed_tokens:
             return 0
         st = self._requests.state(request)
@@ -196,7 +199,7 @@ class Lookups:
             return 0
         st.lookup = None
         st.lookup_at = pending.started_at
-        return max(0, pending.hit_tokens // self._chunk_size * self._chunk_size)
+        return max(0, pending.hit_tokens // self._unit * self._unit)
 
     def _drop(self, request_id: str) -> None:
         st = self._requests.get(request_id)
@@ -242,12 +245,14 @@ class LookupSender:
         servers: Mapping[str, tuple[ServerLink, int]],
         *,
         namespace: str,
+        unit_tokens: int | None,
         call_failed: CallFailed,
         failures: FailureLog,
         clock: Callable[[], float],
         transport: TransportFactory | None = None,
     ) -> None:
         self._namespace = namespace
+        self._unit = unit_tokens  # None: the server answers whole chunks
         self._call_failed = call_failed
         self._failures = failures
         self._links = {url: link for url, (link, _) in servers.items()}
@@ -371,6 +376,7 @@ class LookupSender:
                     cache_salt=p.cache_salt,
                     world_size=self._ranks[url],
                     num_tokens=p.end,
+                    unit_tokens=self._unit,
                 )
                 for p in batch
             ],

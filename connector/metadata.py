@@ -18,7 +18,9 @@ __all__ = ["StepPlan", "TransferOp"]
 
 @dataclass(frozen=True)
 class TransferOp:
-    """One request's whole chunks ``[start_token, end_token)`` to store or load.
+    """One request's chunks ``[start_token, end_token)`` to store or load: whole
+    chunks, then with ``unit_tokens`` whole units past them (a stored prompt's tail,
+    or a load that ends inside a chunk).
 
     ``block_ids[i]`` lists the request's blocks from token 0 for the ``i``-th
     *cacheable* KV cache group (the registration's groups, in ascending vLLM group
@@ -32,6 +34,7 @@ class TransferOp:
     tokens_b64: str
     block_ids: list[list[int]]
     cache_salt: str | None = None
+    unit_tokens: int | None = None
 
     def to_item(self, namespace: str) -> TransferItem:
         return TransferItem(
@@ -42,6 +45,7 @@ class TransferOp:
             start_token=self.start_token,
             end_token=self.end_token,
             block_ids=self.block_ids,
+            unit_tokens=self.unit_tokens,
         )
 
     def nonnull_block_ids(self) -> set[int]:

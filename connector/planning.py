@@ -23,13 +23,20 @@ class StepPlanner:
     """Turns request state into one step's loads and stores.
 
     Per request it tracks the block ids of every KV cache group and how far the cache
-    already holds the prompt (``stored_upto``, whole chunks):
+    already holds its tokens (``stored_upto``):
 
-    - loads: for requests whose lookup hit beyond vLLM's own prefix cache, the chunks
-      ``[floor(local), hit)``; blocks vLLM already holds (its local hit) are masked
-      with the null block so the server never writes a block other requests may be
-      reading;
-    - stores: the whole prompt chunks the step has finished computing.
+    - loads: for requests whose lookup hit beyond vLLM's own prefix cache,
+      ``[floor(local), hit)``, where a hit ends at any alignment unit (``unit``, the
+      required alignment: a block boundary of every group); blocks vLLM already holds
+      (its local hit) are masked with the null block so the server never writes a
+      block other requests may be reading;
+    - stores: the whole chunks the step has finished computing (prompt and output
+      tokens alike, as vLLM's own prefix cache keeps full blocks of both), and once
+      the prompt's prefill is done, its last whole units short of a chunk (the
+      tail), so a later prompt that shares all of it, a multi-turn chat's next turn
+      say, loads all but its last partial unit. A recurrent-state group's blocks
+      hold its state at their ends, and every unit ends on one of its blocks, so a
+      load that ends on a unit restores the state exactly there.
 
     Loads use vLLM's asynchronous-load protocol (the adapter answers
     ``load_async=True``): the worker loads during the step and reports the request in
@@ -44,6 +51,9 @@ class StepPlanner:
         self, layout: KVLayout, chunk_size: int, requests: RequestTable, failures: FailureLog
     ) -> None:
         self._chunk_size = chunk_size
+        self._unit = layout.required_alignment
+        # Sent with every op only below the chunk (a server then keeps tails).
+        self._unit_tokens = self._unit if self._unit < chunk_size else None
         self._requests = requests
         self._failures = failures
         # Block ids travel for the cacheable groups only, in registration order.
@@ -179,21 +189,31 @@ class StepPlanner:
             tokens_b64=st.encoder.encode(st.request.all_token_ids, load_end),
             block_ids=block_ids,
             cache_salt=getattr(st.request, "cache_salt", None),
+            unit_tokens=self._unit_tokens,
         )
 
     def _store_op(self, st: RequestState, computed: int) -> TransferOp | None:
+        """The store of what ``computed`` tokens add to what is stored: whole chunks,
+        and the prompt's tail once its prefill is done (class docstring)."""
         chunk = self._chunk_size
-        limit = min(computed, int(st.request.num_prompt_tokens))
+        tokens = st.request.all_token_ids
+        # KV exists for the tokens the step computes that are the request's own
+        # (speculative tokens beyond them may still be rejected).
+        limit = min(computed, len(tokens))
         end = limit // chunk * chunk
+        prompt = int(st.request.num_prompt_tokens)
+        if limit >= prompt:
+            end = max(end, prompt // self._unit * self._unit)
         if end <= st.stored_upto:
             return None
         op = TransferOp(
             request_id=st.request.request_id,
-            start_token=st.stored_upto,
+            start_token=st.stored_upto // chunk * chunk,  # a tail's chunk again, whole
             end_token=end,
-            tokens_b64=st.encoder.encode(st.request.all_token_ids, end),
+            tokens_b64=st.encoder.encode(tokens, end),
             block_ids=self._blocks_upto(st, end),
             cache_salt=getattr(st.request, "cache_salt", None),
+            unit_tokens=self._unit_tokens,
         )
         st.stored_upto = end
         return op

@@ -98,6 +98,7 @@ class SchedulerAdapter:
             world_size=world_size,
             namespace=namespace,
             chunk_size=self.chunk_size,
+            unit_tokens=self.alignment,
             call_failed=self._call_failed,
             failures=self._failures,
             clock=clock,

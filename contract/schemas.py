@@ -112,6 +112,14 @@ _INTEGRAL = BeforeValidator(_integral)
 PositiveInt = Annotated[StrictInt, Field(ge=1), _INTEGRAL]
 NonNegativeInt = Annotated[StrictInt, Field(ge=0), _INTEGRAL]
 TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31), _INTEGRAL]
+UnitTokens = Annotated[StrictInt, Field(ge=1, le=65536), _INTEGRAL]
+_UNIT_TOKENS = (
+    "The alignment unit in tokens (the connector's required alignment: a block boundary "
+    "of every KV cache group). Given, a hit or a load may end at any multiple of it, and "
+    "a store keeps a prompt's last whole units short of a chunk (a tail); it must divide "
+    "the chunk size, and every registered group's span must divide it. Omitted: whole "
+    "chunks only."
+)
 BlockId = Annotated[StrictInt, Field(ge=0, lt=2**62), _INTEGRAL]
 WorldSize = Annotated[StrictInt, Field(ge=1, le=MAX_WORLD_SIZE), _INTEGRAL]
 Stride = Annotated[StrictInt, Field(ge=0, lt=2**48), _INTEGRAL]
@@ -598,6 +606,7 @@ class LookupTarget(_Body):
     namespace: str = Field(min_length=1, max_length=512)
     cache_salt: str | None = Field(None, max_length=256)
     world_size: WorldSize = Field(1, description="A chunk hits only if every rank has it.")
+    unit_tokens: UnitTokens | None = Field(None, description=_UNIT_TOKENS)
 
 
 class LookupItem(TokenSpan, LookupTarget):
@@ -692,7 +701,9 @@ class LookupAreaResponse(_Reply):
 
 class LookupResult(_Reply):
     request_id: str
-    hit_tokens: int = Field(description="Leading tokens cached, whole chunks only.")
+    hit_tokens: int = Field(
+        description="Leading tokens cached: whole chunks, then whole units (`unit_tokens`)."
+    )
 
 
 class LookupResponse(_Reply):
@@ -710,8 +721,11 @@ class TransferItem(TokenSpan):
     namespace: str = Field(min_length=1, max_length=512)
     cache_salt: str | None = Field(None, max_length=256)
     start_token: NonNegativeInt = Field(description="First token; a chunk boundary.")
-    end_token: NonNegativeInt = Field(description="End (exclusive); partial chunk ignored.")
+    end_token: NonNegativeInt = Field(
+        description="End (exclusive): whole chunks, then whole units (`unit_tokens`)."
+    )
     block_ids: list[list[BlockId]] = Field(description="Per group, the request's blocks.")
+    unit_tokens: UnitTokens | None = Field(None, description=_UNIT_TOKENS)
 
 
 _EXAMPLE_CHUNK = 288

@@ -125,6 +125,9 @@ class Entry:
     ready: bool = False
     live: bool = True
     pins: int = 0
+    unit_keys: tuple[bytes, ...] = ()
+    """The unit keys this entry answers (``_Units``): a whole chunk's first 1, 2, ...
+    units short of the whole; a tail's units, the last being its own key."""
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,67 @@ class _Leases:
         self.deadlines.clear()
 
 
+class _Units:
+    """Which visible entries answer each ``(unit key, rank)`` (used under the pool's
+    lock).
+
+    A unit key names the first units of one chunk (``app.hashing``): an entry answers
+    it when it holds those tokens' blocks, so a hit can end inside a chunk. A whole
+    chunk answers the unit keys of its first 1, 2, ... units; a *tail* (a prompt's
+    last units, short of a chunk) is stored under its longest unit key and answers
+    that and the shorter ones. Every entry registers all of its keys, so the keys a
+    prompt's chunk has in the index are always a leading run.
+    """
+
+    __slots__ = ("holders",)
+
+    def __init__(self) -> None:
+        self.holders: dict[tuple[bytes, int], list[Entry]] = {}
+
+    def add(self, entry: Entry) -> list[Entry]:
+        """Register ``entry``'s keys; return the tails it makes redundant (same rank
+        and layout, and it holds every slot they hold)."""
+        covered = []
+        for key in entry.unit_keys:
+            found = self.holders.setdefault((key, entry.rank), [])
+            covered += [
+                old
+                for old in found
+                if old.key == key
+                and old is not entry
+                and old.layout == entry.layout
+                and not old.present & ~entry.present
+            ]
+            found.append(entry)
+        return covered
+
+    def remove(self, entry: Entry) -> None:
+        for key in entry.unit_keys:
+            found = self.holders.get((key, entry.rank))
+            if found is not None and entry in found:
+                found.remove(entry)
+                if not found:
+                    del self.holders[(key, entry.rank)]
+
+    def find(self, key: bytes, rank: int, layout: bytes, needed: int) -> Entry | None:
+        """An entry answering ``key`` with this layout and every slot in ``needed``."""
+        for entry in self.holders.get((key, rank), ()):
+            if entry.layout == layout and not needed & ~entry.present:
+                return entry
+        return None
+
+    def longest(self, keys: Sequence[bytes], world_size: int) -> tuple[int, list[Entry]]:
+        """How many of ``keys`` (a chunk's unit keys, shortest first) every rank has,
+        and the entries answering the longest of them."""
+        holders = self.holders
+        for count in range(len(keys), 0, -1):
+            key = keys[count - 1]
+            found = [holders.get((key, rank)) for rank in range(world_size)]
+            if all(found):
+                return count, [entry for entries in found if entries for entry in entries]
+        return 0, []
+
+
 class Pool:
     """The L1 cache over one owned ``Segment``: ``create`` makes the segment, ``close``
     unmaps and unlinks it (the server's only segment; docs/design.md s.5).
@@ -264,6 +328,7 @@ class Pool:
         self._index: OrderedDict[tuple[bytes, int], Entry] = OrderedDict()
         self._pending: dict[tuple[bytes, int], Entry] = {}
         self._leases = _Leases()
+        self._units = _Units()
         self._clock = clock
         self._lock = threading.Lock()
         self.on_drop = on_drop
@@ -309,6 +374,7 @@ class Pool:
             self._index.clear()
             self._pending.clear()
             self._leases.clear()
+            self._units.holders.clear()
             self._bytes = None
         self.segment.close()
         self._notify(dropped, "closed")
@@ -383,6 +449,37 @@ class Pool:
                     leases.grant(holder, keys[:hits], now + lease_ttl_s)
         return out
 
+    def lookup_units_many(
+        self,
+        requests: Sequence[tuple[Sequence[bytes], int, str | None]],
+        *,
+        lease_ttl_s: float = 0.0,
+    ) -> list[int]:
+        """For each ``(unit keys of one chunk, world_size, holder)``: how many leading
+        units every rank has (``_Units``); the entries answering are marked recently
+        used and, with a holder, leased as ``lookup_many`` leases chunks."""
+        out: list[int] = []
+        with self._lock:
+            now = self._clock()
+            for keys, world_size, holder in requests:
+                count, entries = self._units.longest(keys, world_size)
+                out.append(count)
+                for entry in entries:
+                    self._index.move_to_end((entry.key, entry.rank))
+                if holder is not None and lease_ttl_s > 0 and entries:
+                    self._leases.grant(holder, [e.key for e in entries], now + lease_ttl_s)
+        return out
+
+    def pin_unit(self, key: bytes, rank: int, layout: bytes, needed: int) -> Entry | None:
+        """``pin`` of an entry answering the unit key ``key`` (``_Units``)."""
+        with self._lock:
+            entry = self._units.find(key, rank, layout, needed)
+            if entry is None:
+                return None
+            entry.pins += 1
+            self._index.move_to_end((entry.key, rank))
+            return entry
+
     def release_leases(self, holder: str) -> None:
         with self._lock:
             self._leases.release(holder)
@@ -417,13 +514,16 @@ class Pool:
         layout: bytes,
         present: int,
         content_key: bytes | None = None,
+        unit_keys: Sequence[bytes] = (),
     ) -> Entry | Literal["present"] | None:
         """Reserve a pending entry, or say the chunk is ``PRESENT``, or None if no room.
 
         A cached entry of the same layout is replaced only when the new store holds
         every slot it holds and more (a strict superset, e.g. a sliding-window block
         it lacked), so a replacement never loses a slot; otherwise the first writer
-        wins.
+        wins. ``unit_keys``: the unit keys the entry will answer (``_Units``); a tail,
+        whose key is the last of them, is ``PRESENT`` when an entry already answers
+        it with every slot it would hold.
         """
         if nbytes < 1:
             raise ValueError(f"nbytes must be >= 1, got {nbytes}")
@@ -435,6 +535,8 @@ class Pool:
             if self._bytes is None:
                 return None
             if ident in self._pending:
+                return PRESENT
+            if unit_keys and unit_keys[-1] == key and self._units.find(key, rank, layout, present):
                 return PRESENT
             current = self._index.get(ident)
             if current is not None and (
@@ -458,6 +560,7 @@ class Pool:
                     num_pages=num_pages,
                     nbytes=nbytes,
                     offset_bytes=first_page * self.page_size,
+                    unit_keys=tuple(unit_keys),
                 )
                 self._pending[ident] = entry
         self._notify(evicted, "evicted")
@@ -477,6 +580,9 @@ class Pool:
                 replaced.append(old)
             entry.ready = True
             self._index[ident] = entry
+            for tail in self._units.add(entry):  # tails this entry now answers for
+                self._detach(tail)
+                replaced.append(tail)
         self._notify(replaced, "replaced")
 
     def abort(self, entry: Entry) -> None:
@@ -500,6 +606,7 @@ class Pool:
     def _detach(self, entry: Entry) -> None:
         ident = (entry.key, entry.rank)
         self._index.pop(ident, None)
+        self._units.remove(entry)
         entry.live = False
         if entry.pins == 0:
             self._alloc.free(entry.first_page, entry.num_pages)

@@ -88,24 +88,25 @@ def test_round_trip_same_bytes(server: str) -> None:
         plan = sched.build_connector_meta(
             StepOutput([NewReq("A", (blocks_a,), 0)], num_scheduled_tokens={"A": 150})
         )
-        assert [(op.start_token, op.end_token) for op in plan.stores] == [(0, 128)]
+        # Two whole chunks, then the prompt's tail: its last whole block (one unit).
+        assert [(op.start_token, op.end_token) for op in plan.stores] == [(0, 144)]
         worker.save(plan)
         sched.request_finished(a)
 
         b_req = FakeRequest("B", list(prompt))
-        assert ask(sched, b_req, 16) == (112, True)
+        assert ask(sched, b_req, 16) == (128, True)  # all but the last partial block
         blocks_b = list(range(20, 30))
-        sched.update_state_after_alloc(b_req, FakeBlocks((blocks_b,)), 112)
+        sched.update_state_after_alloc(b_req, FakeBlocks((blocks_b,)), 128)
         plan = sched.build_connector_meta(StepOutput())
         assert len(plan.loads) == 1
         worker.start_load(plan)
         assert worker.take_transfer_results() == ({"B"}, set())
         assert worker.take_load_errors() == set()
-        for j in range(1, 8):  # blocks 1..7 hold tokens 16..127, loaded from the cache
+        for j in range(1, 9):  # blocks 1..8 hold tokens 16..143, loaded from the cache
             for name in kv:
                 assert torch.equal(kv[name][blocks_b[j]], kv[name][blocks_a[j]]), (name, j)
         assert torch.all(kv["l0"][blocks_b[0]] == 0)  # vLLM's local block left alone
-        assert torch.all(kv["l0"][blocks_b[8]] == 0)  # beyond the hit: not written
+        assert torch.all(kv["l0"][blocks_b[9]] == 0)  # beyond the hit: not written
 
         # A cached request continues: the next chunk is stored when computed.
         plan = sched.build_connector_meta(
@@ -114,7 +115,7 @@ def test_round_trip_same_bytes(server: str) -> None:
                 num_scheduled_tokens={"B": 22},
             )
         )
-        assert plan.stores == ()  # 150 tokens: no further whole chunk
+        assert plan.stores == ()  # 150 tokens: no further whole chunk, the tail is cached
     finally:
         worker.shutdown()
         sched.shutdown()

@@ -208,7 +208,8 @@ def _run_two_requests(tiny_model_dir: Path, extra: dict[str, Any], built: list[A
     assert out.scheduled_new_reqs == []
     blocks_b = worker.blocks_of("B")
     loaded = {
-        layer: [worker.slot(layer, blocks_b, p).clone() for p in range(128)] for layer in LAYERS
+        layer: [worker.slot(layer, blocks_b, p).clone() for p in range(len(blocks_b) * 16)]
+        for layer in LAYERS
     }
     # ...then B is scheduled with the loaded tokens computed.
     out, _ = worker.step()
@@ -252,7 +253,15 @@ def test_scheduler_in_the_loop_fake_server(
     assert new.num_computed_tokens == 128  # two whole chunks came from the cache
     paths = fake.paths()
     assert paths.count("POST /cache/retrieve") == 1
-    assert paths.count("POST /cache/store") == 2  # one batched call per step with work
+    stores = [
+        [(r["request_id"], r["start_token"], r["end_token"]) for r in body["requests"]]
+        for _, path, body in fake.calls
+        if path == "/cache/store"
+    ]
+    # One batched call per step with work: A's two prefill steps (whole chunks, then the
+    # last chunk and the prompt's tail), and B's tail, which this fake (whole chunks
+    # only) did not keep.
+    assert stores == [[("A", 0, 64)], [("A", 64, 144)], [("B", 128, 144)]]
     wait_until(lambda: fake.ended == ["A"])  # A's session ended off vLLM's thread
 
 
@@ -267,9 +276,9 @@ def test_scheduler_in_the_loop_real_server(
         tiny_model_dir, {"mpcache.server_urls": server_64}, built
     )
     assert new.req_id == "B"
-    assert new.num_computed_tokens == 128
+    assert new.num_computed_tokens == 144  # two chunks and the tail's one block
     for li, layer in enumerate(loaded):
-        for p in range(128):
+        for p in range(144):
             expected = kv_value(prompt[p], p, li)
             assert bool((loaded[layer][p] == expected).all()), (layer, p)
 

@@ -422,3 +422,31 @@ def test_eviction_takes_the_window_with_the_fewest_victims(
     entries = _at_pages(*freed)
     got = _fewest_victims(entries, free_starts, run[0], run[1], num_pages)
     assert got == [entries[i] for i in victims]
+
+
+def _put_units(pool: Pool, key: bytes, units: tuple[bytes, ...], *, rank: int = 0) -> Entry:
+    entry = pool.begin_store(key, rank, nbytes=PAGE, layout=b"L", present=1, unit_keys=units)
+    assert isinstance(entry, Entry)
+    pool.commit(entry)
+    return entry
+
+
+def test_unit_keys_hit_for_every_rank_or_not_at_all(pool: Pool, clock: FakeClock) -> None:
+    units = (b"u1", b"u2", b"u3")
+    _put_units(pool, b"chunk", units, rank=0)
+    assert pool.lookup_units_many([(list(units), 1, None)]) == [3]
+    assert pool.lookup_units_many([([*units, b"u4"], 1, None)]) == [3]
+    assert pool.lookup_units_many([(list(units), 2, None)]) == [0]  # rank 1 lacks them
+    _put_units(pool, b"tail", (b"u1", b"u2"), rank=1)
+    assert pool.lookup_units_many([(list(units), 2, "req")], lease_ttl_s=5) == [2]
+    assert pool.stats().leased_keys == 2  # the entries answering the hit, per rank
+    assert pool.pin_unit(b"u2", 1, b"L", 1) is not None
+    assert pool.pin_unit(b"u3", 1, b"L", 1) is None
+
+
+def test_an_entry_gone_takes_its_unit_keys_with_it(pool: Pool) -> None:
+    _put_units(pool, b"a", (b"u1",))
+    for key in (b"b", b"c", b"d", b"e"):  # four more one-page entries into four pages
+        put(pool, key)
+    assert pool.lookup_units_many([([b"u1"], 1, None)]) == [0]
+    assert pool.pin_unit(b"u1", 0, b"L", 1) is None

@@ -3,9 +3,10 @@
 Engines run in driver processes (e2e venv, ``engine_driver.py``): ``vllm.LLM`` with
 ``MPCacheConnector`` on a tiny random Llama, generating one 1100-token prompt
 greedily; servers are real ``python -m app server`` processes (dev venv). With
-chunk size 256 the cacheable prefix is the 4 whole chunks before the last prompt
-token: 1024 tokens. Every generation is compared with an engine that has no
-connector (``baselines``).
+chunk size 256 and blocks of 32 tokens (the alignment unit) the cacheable prefix is
+every whole block before the last prompt token: 1088 tokens, 4 whole chunks and a
+tail of 2 units. Every generation is compared with an engine that has no connector
+(``baselines``).
 
 The Llama story runs once for the module (engines are slow to start): a first
 engine generates the prompt twice; a fresh engine in a new driver generates it
@@ -43,8 +44,10 @@ from tests.support import redis_server, require_redis_server, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-CACHED_PREFIX = (PROMPT_LEN - 1) // CHUNK_SIZE * CHUNK_SIZE  # 1024
-NUM_CHUNKS = CACHED_PREFIX // CHUNK_SIZE  # 4
+UNIT = 32  # the engines' block size: the alignment of every model here
+CACHED_PREFIX = (PROMPT_LEN - 1) // UNIT * UNIT  # 1088
+NUM_CHUNKS = CACHED_PREFIX // CHUNK_SIZE  # 4 whole chunks, then the tail's 2 units
+L2_PREFIX = NUM_CHUNKS * CHUNK_SIZE  # 1024: tails stay in their server's pool
 HEARTBEAT_S = 0.5
 HEARTBEAT_TIMEOUT_S = 10.0
 """A vLLM CPU engine keeps both cores of a 2-core CI machine busy, and a /health or
@@ -94,8 +97,12 @@ class Counters:
         )
 
     @property
-    def chunk_bytes(self) -> float:
-        return self.store_bytes / self.stored if self.stored else 0.0
+    def prefix_bytes(self) -> float:
+        """The bytes a load of the prompt's cached prefix copies: its whole chunks and
+        the tail's blocks. A store copies a whole chunk's bytes for every entry, a
+        tail's too (its null blocks read block 0), so one entry's bytes are a chunk's."""
+        chunk_bytes = self.store_bytes / self.stored if self.stored else 0.0
+        return chunk_bytes * CACHED_PREFIX / CHUNK_SIZE
 
 
 def went_degraded(driver: EngineDriver) -> bool:
@@ -213,7 +220,7 @@ def test_second_pass_and_fresh_engine_load_the_prefix_from_the_server(
         assert served is not None
         assert served.stored >= NUM_CHUNKS
         assert served.hit >= 2 * NUM_CHUNKS
-        assert served.retrieve_bytes == 2 * NUM_CHUNKS * served.chunk_bytes > 0
+        assert served.retrieve_bytes == 2 * served.prefix_bytes > 0
 
 
 def test_server_restart_recomputes_then_hits_again(
@@ -240,7 +247,7 @@ def test_server_restart_recomputes_then_hits_again(
         assert served is not None
         assert served.stored >= NUM_CHUNKS
         assert served.hit >= NUM_CHUNKS
-        assert served.retrieve_bytes == NUM_CHUNKS * served.chunk_bytes > 0
+        assert served.retrieve_bytes == served.prefix_bytes > 0
 
 
 def test_hybrid_model_caches_both_kv_cache_groups(
@@ -332,7 +339,7 @@ def test_two_nodes_engine_on_b_loads_what_engine_on_a_stored(
         assert stored["num_cached_tokens"] == 0
         # No second pass on B if its lookup failed: B stores the prefix itself once
         # it recovers, and a second pass would load that, not what A stored.
-        assert served["num_cached_tokens"] == CACHED_PREFIX, (
+        assert served["num_cached_tokens"] == L2_PREFIX, (
             "B's connector went degraded during its one pass (its log says why; the "
             "server logs say if a server could not run)"
             if went_degraded(node_b)
