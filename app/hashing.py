@@ -20,16 +20,12 @@ import numpy as np
 import xxhash
 
 from app.keychain import KeyChain
+from contract import chunk_keys
+from contract.chunk_keys import KEY_BYTES
 from contract.tokens import TOKEN_DTYPE
 
 __all__ = ["KEY_BYTES", "TokenHasher"]
 
-KEY_BYTES = 16
-_DOMAIN = b"mpcache/v2/xxh3-128/"
-_UNIT_TAG = b"u/\x00"
-"""Between the previous key and a unit run's tokens: 3 bytes, so a unit key's input
-is never as long as a chunk key's (16 + 4k bytes against 19 + 4k) and the two kinds
-cannot collide by construction."""
 _SEEDS_KEPT = 4096
 
 
@@ -75,6 +71,8 @@ class TokenHasher:
     processes (the pool is not persistent, so nothing is lost), except with the shared
     L2 tier (docs/design.md s.7), whose servers share one seed through Redis
     (``app.l2.L2Tier.connect``): there the seed is as secret as Redis is.
+    The keys' definition is ``contract.chunk_keys`` (the connector computes them too,
+    to read the key index); this class adds a memo of seeds and the C loop.
     """
 
     def __init__(self, seed: int | None = None, *, chain: KeyChain | None = None) -> None:
@@ -85,6 +83,11 @@ class TokenHasher:
         self._seeds: dict[tuple[bytes, str, str | None, int], bytes] = {}
         if not 0 <= self._key < 2**64:
             raise ValueError("the hash seed must be a 64-bit unsigned integer")
+
+    @property
+    def secret(self) -> int:
+        """The key of H, for the key index's header (``dataplane.key_index``)."""
+        return self._key
 
     def bind(self, chunk_size: int) -> None:
         """The ``token_hasher`` binding: check this hasher can key chunks of that size.
@@ -97,17 +100,7 @@ class TokenHasher:
         memo = (kind, namespace, cache_salt, size)
         seed = self._seeds.get(memo)
         if seed is None:
-            ns = namespace.encode()
-            salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode()
-            parts = (
-                _DOMAIN,
-                kind,
-                len(ns).to_bytes(4, "little"),
-                ns,
-                salt,
-                size.to_bytes(8, "little"),
-            )
-            seed = xxhash.xxh3_128_digest(b"".join(parts), self._key)
+            seed = chunk_keys.namespace_seed(self._key, kind, namespace, cache_salt, size)
             if len(self._seeds) >= _SEEDS_KEPT:
                 self._seeds.clear()
             self._seeds[memo] = seed
@@ -141,10 +134,7 @@ class TokenHasher:
             keys += self._chain.keys(prev, arr, step, len(keys), num_chunks - len(keys), key)
             return keys
         raw = arr.data.cast("B")  # no copy: arr is contiguous; the loop stops at its chunks
-        digest = xxhash.xxh3_128_digest
-        for i in range(len(keys) * step, num_chunks * step, step):
-            prev = digest(prev + raw[i : i + step], key)
-            keys.append(prev)
+        keys += chunk_keys.chain_keys(key, prev, raw, step, len(keys), num_chunks - len(keys))
         return keys
 
     def unit_keys(
@@ -167,13 +157,7 @@ class TokenHasher:
         if prev is None:
             prev = self._seed(b"prefix", namespace, cache_salt, chunk_size)
         raw = _as_tokens(tokens[: count * unit]).data.cast("B")
-        state = xxhash.xxh3_128(prev + _UNIT_TAG, seed=self._key)
-        step = unit * 4
-        keys = []
-        for offset in range(0, count * step, step):
-            state.update(raw[offset : offset + step])
-            keys.append(state.digest())
-        return keys
+        return chunk_keys.unit_keys(self._key, prev, raw, unit * 4, count)
 
     def content_keys(
         self,

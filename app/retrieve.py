@@ -166,6 +166,7 @@ class Retrieve:
                 break
             loaded += 1
         self._telemetry.copied_bytes.labels("retrieve").inc(copied)
+        self._telemetry.chunks_loaded.inc(loaded)
         return loaded, cut
 
     def _promote(

@@ -159,6 +159,12 @@ class Settings(BaseSettings):
     lease_ttl_s: float = Field(
         30.0, ge=0, description="Seconds a lookup keeps its hits from eviction (0: never)."
     )
+    key_index: bool = Field(
+        True,
+        description="Publish the key index: the keys the pool holds, in shared memory "
+        "only this user can map, so a connector on this host answers lookups without a "
+        "call (contract/key_index.py; x86-64 only).",
+    )
     copy_threads: int = Field(
         0,
         ge=0,

@@ -41,7 +41,7 @@ from contract import __version__
 from contract.kernels import KernelUnavailable
 from contract.schemas import ClusterHealth, ClusterMember, ClusterResponse
 from contract.shm_naming import segment_name
-from dataplane import blockcopy
+from dataplane import blockcopy, key_index
 from dataplane.fdgate import FdGate, default_socket_path
 from dataplane.pool import Pool
 from dataplane.registry import Registry
@@ -78,6 +78,8 @@ class Runtime:
     copier: CopyPool
     gate: FdGate
     lookup_areas: LookupAreas
+    key_index: key_index.KeyIndex | None = None
+    """Published for connectors on this host (``GET /cache/key-index``); None when off."""
     parser: BodyParser = field(default_factory=BodyParser)
     l2: L2Tier | None = None
     copy_rates: dict[int, float] = field(default_factory=dict)
@@ -156,6 +158,8 @@ class Runtime:
         finally:
             self.copier.close()
             self.pool.close()
+            if self.key_index is not None:
+                self.key_index.close()
             self.coordinator.leave()
 
 
@@ -190,6 +194,24 @@ def _block_kernel(wanted: bool) -> tuple[blockcopy.BlockCopier | None, str]:
 def _key_chain() -> tuple[keychain.KeyChain | None, str]:
     """The C loop for chunk keys (``app.keychain``) and a note for the log."""
     return _kernel(keychain.load, "chunk keys by the C loop", "chunk keys in Python")
+
+
+def _key_index(
+    settings: Settings, pool: Pool, hasher: TokenHasher, boot_id: str, *, authoritative: bool
+) -> key_index.KeyIndex | None:
+    """The key index the pool keeps in step (None with --no-key-index, or where its
+    publication is not sound: ``dataplane.key_index.supported``)."""
+    if not settings.key_index:
+        return None
+    if not key_index.supported():
+        logger.info("key index off: its lock-free publication needs x86-64")
+        return None
+    slots = key_index.index_slots(pool.capacity_bytes // pool.page_size)
+    index = key_index.KeyIndex.create(
+        slots, secret=hasher.secret, boot_id=boot_id, authoritative=authoritative
+    )
+    pool.attach_index(index)
+    return index
 
 
 def build_runtime(settings: Settings) -> Runtime:
@@ -328,6 +350,7 @@ def _assemble(
 ) -> Runtime:
     chain, chain_note = _key_chain()
     hasher = TokenHasher(l2.seed if l2 is not None else None, chain=chain)
+    index: key_index.KeyIndex | None = None
     sessions = SessionManager(
         hasher,
         settings.session_ttl_s,
@@ -375,6 +398,7 @@ def _assemble(
     )
     areas = LookupAreas(gate)
     try:
+        index = _key_index(settings, pool, hasher, boot_id, authoritative=l2 is None)
         gate.start()
         cache = CacheService(
             chunk_size=authority,
@@ -409,6 +433,7 @@ def _assemble(
             copier=copier,
             gate=gate,
             lookup_areas=areas,
+            key_index=index,
             l2=l2,
             copy_rates=copy_rates,
             block_kernel=kernel_note,
@@ -417,4 +442,6 @@ def _assemble(
     except BaseException:
         gate.close()
         copier.close()
+        if index is not None:
+            index.close()
         raise

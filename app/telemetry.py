@@ -87,7 +87,17 @@ class Telemetry:
             "mpcache_registrations", "Registered worker KV caches.", registry=r
         )
         self.chunks_stored = Counter("mpcache_chunks_stored", "Chunks stored.", registry=r)
-        self.chunks_hit = Counter("mpcache_chunks_hit", "Chunks found by lookups.", registry=r)
+        self.chunks_hit = Counter(
+            "mpcache_chunks_hit",
+            "Chunks found by lookups (HTTP lookups only: a connector reading the key index "
+            "asks none; chunks_loaded counts what was served).",
+            registry=r,
+        )
+        self.chunks_loaded = Counter(
+            "mpcache_chunks_loaded",
+            "Chunks, and tails of units, copied into a KV cache by retrieves.",
+            registry=r,
+        )
         self.chunks_missed = Counter(
             "mpcache_chunks_missed", "Chunks looked up but not cached.", registry=r
         )

@@ -39,6 +39,7 @@ from contract.schemas import (
     EndSessionsRequest,
     EndSessionsResponse,
     HealthResponse,
+    KeyIndexInfo,
     LookupAreaRequest,
     LookupAreaResponse,
     LookupRequest,
@@ -270,6 +271,10 @@ class _Operations:
     @_Operation
     def registration_info(self, timeout_s: float | None = None) -> _Call[RegistrationInfo]:
         return _Call(endpoints.REGISTRATION_INFO, None, timeout_s)
+
+    @_Operation
+    def key_index(self, timeout_s: float | None = None) -> _Call[KeyIndexInfo]:
+        return _Call(endpoints.KEY_INDEX, None, timeout_s)
 
     @_Operation
     def register(

@@ -132,6 +132,9 @@ class ConnectorConfig(BaseModel):
     ``mpcache.lookup_area``             with one server, write       ``true``
                                         lookups' token ids into
                                         shared memory (a lookup area)
+    ``mpcache.key_index``               with one server on this      ``true``
+                                        host, answer lookups from its
+                                        key index, without a call
     ``mpcache.instance_id``             identity shared by the       vLLM's ``engine_id``
                                         scheduler and its workers
     ``mpcache.api_token``               the server's                 unset
@@ -168,6 +171,9 @@ class ConnectorConfig(BaseModel):
     lookup_area: bool = Field(True, validation_alias=AliasChoices("mpcache.lookup_area"))
     """With one server: write lookups' token ids into a lookup area shared with it
     (``connector.lookup_area``) rather than the body, where it can register one."""
+    key_index: bool = Field(True, validation_alias=AliasChoices("mpcache.key_index"))
+    """With one server on this host: answer lookups on vLLM's thread from the server's
+    key index (``connector.key_index``), asking the server only what it cannot say."""
 
 
 class _HostPort(BaseModel):

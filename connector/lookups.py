@@ -21,6 +21,7 @@ from connector.client import ControlClient, TransportFactory
 from connector.config import ConnectorConfig
 from connector.errors import ProtocolError, ServerError, ServerRejected
 from connector.failures import FailureLog
+from connector.index_slot import IndexSlot
 from connector.lookup_area import LookupArea
 from connector.request_state import PendingLookup, RequestState, RequestTable
 from connector.servers import ServerLink, blocking_client, ranks_of_server
@@ -109,6 +110,7 @@ class Lookups:
             config,
             {url: (links[url], n) for url, n in ranks.items()},
             namespace=namespace,
+            chunk_size=chunk_size,
             unit_tokens=unit_tokens if unit_tokens < chunk_size else None,
             call_failed=call_failed,
             failures=failures,
@@ -158,13 +160,32 @@ class Lookups:
         st = self._requests.state(request)
         now = self._clock()
         if st.lookup_end != lookup_end or now - st.lookup_at >= self._max_age_s:
-            hit = self._poll(st, lookup_end, now)
+            hit = self._indexed(st, lookup_end, now)
+            if hit is None:
+                hit = self._poll(st, lookup_end, now)
             if hit is None:
                 return None
             st.hit_tokens = hit
             st.lookup_end = lookup_end
         st.local_tokens = num_computed_tokens
         return st.hit_tokens
+
+    def _indexed(self, st: RequestState, lookup_end: int, now: float) -> int | None:
+        """The answer of the server's key index, when it has one (``IndexSlot``): at
+        once, in the step vLLM first asks. A lookup already in flight is abandoned."""
+        request = st.request
+        hit = self._sender.index.answer(
+            lambda: st.encoder.packed(request.all_token_ids, lookup_end),
+            lookup_end,
+            getattr(request, "cache_salt", None),
+        )
+        if hit is None:
+            return None
+        if st.lookup is not None:
+            st.lookup.abandoned = True
+            st.lookup = None
+        st.lookup_at = now
+        return hit // self._unit * self._unit
 
     def _poll(self, st: RequestState, lookup_end: int, now: float) -> int | None:
         """The landed answer of ``st``'s lookup up to ``lookup_end``; else start that
@@ -218,6 +239,7 @@ class Lookups:
         """Send the lookups this step started, as one batch (on the lookup thread)."""
         batch = [p for p in self._unsent if not p.abandoned]
         self._unsent.clear()
+        self._sender.index.refill()
         if batch:
             self._sender.submit(batch)
 
@@ -245,6 +267,7 @@ class LookupSender:
         servers: Mapping[str, tuple[ServerLink, int]],
         *,
         namespace: str,
+        chunk_size: int,
         unit_tokens: int | None,
         call_failed: CallFailed,
         failures: FailureLog,
@@ -269,6 +292,16 @@ class LookupSender:
         self._area = _AreaSlot(first_url, first_client, enabled=use_area, clock=clock)
         if use_area:
             self._thread.submit(self._area.setup)
+        self.index = IndexSlot(
+            first_client,
+            self._links[first_url],
+            namespace=namespace,
+            chunk_size=chunk_size,
+            world_size=self._ranks[first_url],
+            unit_tokens=unit_tokens,
+            enabled=len(servers) == 1 and config.key_index,
+            submit=self._thread.submit,
+        )
         self._fan_out = ThreadPoolExecutor(len(servers), thread_name_prefix="mpcache-lookup-server")
 
     def submit(self, batch: list[PendingLookup]) -> None:
@@ -284,6 +317,7 @@ class LookupSender:
         self._thread.shutdown(wait=True, cancel_futures=True)
         self._fan_out.shutdown(wait=True)
         self._area.close()  # the lookup thread has stopped: nothing writes it now
+        self.index.close()
         for client in self._clients.values():
             client.close()
 

@@ -28,6 +28,7 @@ from contract.schemas import (
     EndSessionsRequest,
     EndSessionsResponse,
     HealthResponse,
+    KeyIndexInfo,
     LookupAreaRequest,
     LookupAreaResponse,
     LookupFrameHeader,
@@ -54,6 +55,7 @@ __all__ = [
     "ENDPOINTS",
     "GUARDED_PROBLEMS",
     "HEALTH",
+    "KEY_INDEX",
     "LOOKUP",
     "NEGOTIATE",
     "REGISTER",
@@ -401,6 +403,21 @@ DELETE_LOOKUP_AREA: Endpoint[None, None] = Endpoint(
     summary="Drop a lookup area",
     problems={404: "No such lookup area"},
 )
+KEY_INDEX: Endpoint[None, KeyIndexInfo] = Endpoint(
+    name="key_index",
+    method="GET",
+    path="/cache/key-index",
+    request=None,
+    response=KeyIndexInfo,
+    summary="Where the key index is: the keys the pool holds, to read in place",
+    description=(
+        "A shared-memory hash table of every chunk and unit key the pool holds, with "
+        "the hash's secret in its header, kept in step with the pool (layout: "
+        "contract/key_index.py). Only processes of the server's user can map it (mode "
+        "0600): a connector on this host answers lookups by probing it, without a call."
+    ),
+    problems={404: "This server publishes no key index (--no-key-index, or not x86-64)"},
+)
 
 ENDPOINTS: tuple[Endpoint[Any, Any], ...] = (
     NEGOTIATE,
@@ -417,5 +434,6 @@ ENDPOINTS: tuple[Endpoint[Any, Any], ...] = (
     BLEND_MATCH,
     REGISTER_LOOKUP_AREA,
     DELETE_LOOKUP_AREA,
+    KEY_INDEX,
 )
 """Every operation, in the order the server declares them."""

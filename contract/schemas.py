@@ -62,6 +62,7 @@ __all__ = [
     "EndSessionsResponse",
     "GroupInfo",
     "HealthResponse",
+    "KeyIndexInfo",
     "LayerInfo",
     "LookupAreaRequest",
     "LookupAreaResponse",
@@ -516,6 +517,27 @@ class RegisterResponse(_Reply):
         f"`{REGISTRATION_TOKEN_HEADER}` header of every store, retrieve, DELETE and "
         "replacing register of this `(instance_id, rank)`. Shown once."
     )
+
+
+class KeyIndexInfo(_Reply):
+    """Where this server publishes its key index (``contract.key_index``)."""
+
+    model_config = ConfigDict(
+        frozen=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "segment": "mpcache-index-4026531836-24614-4110381ca9e1",
+                    "slots": 131072,
+                    "boot_id": "8620557f509d45cb8003db5b5fb5191f",
+                }
+            ]
+        },
+    )
+
+    segment: str = Field(description="The POSIX shared-memory segment (in /dev/shm, mode 0600).")
+    slots: int = Field(description="Slots of its hash table.")
+    boot_id: str = Field(description="The server process the index belongs to.")
 
 
 class RegistrationInfo(_Reply):

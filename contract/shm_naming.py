@@ -28,6 +28,7 @@ import secrets
 from contract.errors import SharedMemoryExhausted
 
 __all__ = [
+    "INDEX_PREFIX",
     "POOL_PREFIX",
     "SEGMENT_PREFIX",
     "SHM_DIR",
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 SEGMENT_PREFIX = "mpcache-"
 POOL_PREFIX = "mpcache-pool-"
+INDEX_PREFIX = "mpcache-index-"
 SHM_DIR = "/dev/shm"
 
 _NAME_RE = re.compile(

@@ -19,6 +19,7 @@ from typing import Final, Literal
 
 import torch
 
+from dataplane.key_index import KeyIndex
 from dataplane.segments import Segment
 
 __all__ = ["MAX_EVICTION_SCAN", "PRESENT", "Entry", "PageAllocator", "Pool", "PoolStats"]
@@ -218,8 +219,8 @@ class _Leases:
 
 
 class _Units:
-    """Which visible entries answer each ``(unit key, rank)`` (used under the pool's
-    lock).
+    """Which visible entries answer each ``(unit key, rank)``, and the key index kept
+    in step with what is visible (used under the pool's lock).
 
     A unit key names the first units of one chunk (``app.hashing``): an entry answers
     it when it holds those tokens' blocks, so a hit can end inside a chunk. A whole
@@ -229,17 +230,23 @@ class _Units:
     prompt's chunk has in the index are always a leading run.
     """
 
-    __slots__ = ("holders",)
+    __slots__ = ("holders", "index")
 
     def __init__(self) -> None:
         self.holders: dict[tuple[bytes, int], list[Entry]] = {}
+        self.index: KeyIndex | None = None
+        """Told when a ``(unit key, rank)`` gains its first entry or loses its last."""
 
     def add(self, entry: Entry) -> list[Entry]:
-        """Register ``entry``'s keys; return the tails it makes redundant (same rank
-        and layout, and it holds every slot they hold)."""
+        """Register a visible ``entry``'s keys; return the tails it makes redundant
+        (same rank and layout, and it holds every slot they hold)."""
+        if self.index is not None and not _is_tail(entry):
+            self.index.set(entry.key, entry.rank, True)  # a whole chunk's own key
         covered = []
         for key in entry.unit_keys:
             found = self.holders.setdefault((key, entry.rank), [])
+            if not found and self.index is not None:
+                self.index.set(key, entry.rank, True)
             covered += [
                 old
                 for old in found
@@ -252,12 +259,17 @@ class _Units:
         return covered
 
     def remove(self, entry: Entry) -> None:
+        """Forget an entry that is no longer visible."""
+        if self.index is not None and not _is_tail(entry):
+            self.index.set(entry.key, entry.rank, False)
         for key in entry.unit_keys:
             found = self.holders.get((key, entry.rank))
             if found is not None and entry in found:
                 found.remove(entry)
                 if not found:
                     del self.holders[(key, entry.rank)]
+                    if self.index is not None:
+                        self.index.set(key, entry.rank, False)
 
     def find(self, key: bytes, rank: int, layout: bytes, needed: int) -> Entry | None:
         """An entry answering ``key`` with this layout and every slot in ``needed``."""
@@ -378,6 +390,14 @@ class Pool:
             self._bytes = None
         self.segment.close()
         self._notify(dropped, "closed")
+
+    def attach_index(self, index: KeyIndex) -> None:
+        """From now on, keep ``index`` in step with what is visible (the pool is empty
+        when the server attaches it)."""
+        with self._lock:
+            if self._index:
+                raise RuntimeError("attach the key index to an empty pool")
+            self._units.index = index
 
     # ------------------------------------------------------------------ reads
 
@@ -667,6 +687,11 @@ class Pool:
                 self.on_drop(entries, reason)
             except Exception:
                 logger.exception("pool drop hook failed (%s)", reason)
+
+
+def _is_tail(entry: Entry) -> bool:
+    """A tail is stored under its longest unit key (``_Units``)."""
+    return bool(entry.unit_keys) and entry.key == entry.unit_keys[-1]
 
 
 def _fewest_victims(

@@ -28,6 +28,7 @@ import posix_ipc
 
 from contract.errors import SegmentAccessError, SharedMemoryExhausted
 from contract.shm_naming import (
+    INDEX_PREFIX,
     POOL_PREFIX,
     SEGMENT_PREFIX,
     SHM_DIR,
@@ -41,7 +42,7 @@ __all__ = ["SWEPT_PREFIXES", "Segment", "sweep_stale_segments"]
 
 logger = logging.getLogger(__name__)
 
-SWEPT_PREFIXES = (POOL_PREFIX,)
+SWEPT_PREFIXES = (POOL_PREFIX, INDEX_PREFIX)
 """The kinds of segment the server sweeps at start."""
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not exported by Python's mmap module
@@ -49,7 +50,7 @@ _PREFAULT_STEP_BYTES = 64 << 20
 
 
 def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink stale pool segments (the server, at start)."""
+    """Unlink stale pool and key-index segments (the server, at start)."""
     return [name for prefix in SWEPT_PREFIXES for name in sweep_stale(prefix, shm_dir)]
 
 

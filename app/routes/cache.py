@@ -23,6 +23,7 @@ from contract.schemas import (
     BlendMatchResponse,
     EndSessionsRequest,
     EndSessionsResponse,
+    KeyIndexInfo,
     LookupAreaRequest,
     LookupAreaResponse,
     RetrieveRequest,
@@ -84,6 +85,14 @@ async def register_lookup_area(request: Request, runtime: RuntimeDep) -> LookupA
     body = await read_json(request, LookupAreaRequest)
     area_id, size = runtime.lookup_areas.register(body.ticket)
     return LookupAreaResponse(area_id=area_id, size_bytes=size)
+
+
+@declare(router, endpoints.KEY_INDEX)
+async def key_index(runtime: RuntimeDep) -> KeyIndexInfo:
+    index = runtime.key_index
+    if index is None:
+        raise NotFound("this server publishes no key index (--no-key-index, or not x86-64)")
+    return KeyIndexInfo(segment=index.name, slots=index.slots, boot_id=runtime.boot_id)
 
 
 @declare(router, endpoints.DELETE_LOOKUP_AREA)

@@ -510,6 +510,7 @@ OPERATIONS: list[tuple[str, Endpoint[Any, Any], tuple[Any, ...], str | None]] = 
     ("health", endpoints.HEALTH, (), None),
     ("chunk_size", endpoints.CHUNK_SIZE, (), None),
     ("registration_info", endpoints.REGISTRATION_INFO, (), None),
+    ("key_index", endpoints.KEY_INDEX, (), None),
     ("register", endpoints.REGISTER, (REGISTER_BODY,), None),
     ("unregister", endpoints.UNREGISTER, ("eng/0", 1), "/register/eng%2F0/1"),
     ("lookup", endpoints.LOOKUP, (b"MPL1",), None),

@@ -170,6 +170,7 @@ def test_known_keys_are_the_documented_ones() -> None:
         "mpcache.instance_id",
         "mpcache.api_token",
         "mpcache.lookup_area",
+        "mpcache.key_index",
     }
     assert documented == KNOWN_KEYS
     page = (ROOT / "docs" / "connector.md").read_text()

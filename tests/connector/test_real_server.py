@@ -40,10 +40,13 @@ def server() -> Iterator[str]:
         yield url
 
 
-def _config(url: str, *, interval: float = 10.0, lookup_area: bool = True) -> ConnectorConfig:
+def _config(
+    url: str, *, interval: float = 10.0, lookup_area: bool = True, key_index: bool = True
+) -> ConnectorConfig:
     return ConnectorConfig(
         server_urls=(url,),
         lookup_area=lookup_area,
+        key_index=key_index,
         heartbeat_interval_s=interval,
         heartbeat_timeout_s=1.0,
         request_timeout_s=5.0,
@@ -53,11 +56,12 @@ def _config(url: str, *, interval: float = 10.0, lookup_area: bool = True) -> Co
 
 
 def _pair(
-    url: str, instance: str, *, interval: float = 10.0
+    url: str, instance: str, *, interval: float = 10.0, key_index: bool = True
 ) -> tuple[SchedulerAdapter, WorkerAdapter]:
     layout = layout_from_groups([Group(AttnSpec(BS), ["l0", "l1"])])
     common = {"model": "tiny", "instance_id": instance, "namespace": NS}
-    sched = SchedulerAdapter(_config(url, interval=interval), layout, world_size=1, **common)  # type: ignore[arg-type]
+    config = _config(url, interval=interval, key_index=key_index)
+    sched = SchedulerAdapter(config, layout, world_size=1, **common)  # type: ignore[arg-type]
     worker = WorkerAdapter(
         _config(url, interval=interval),
         layout,
@@ -233,10 +237,10 @@ def test_lookups_through_the_lookup_area_answer_as_ids_in_the_body(server: str) 
     server (one mark per request on the wire); its answers are those of a scheduler
     that sends the ids, and the area goes when the scheduler shuts down."""
     before = _lookup_areas(server)
-    sched, worker = _pair(server, "area")
+    sched, worker = _pair(server, "area", key_index=False)  # every lookup asks the server
     layout = layout_from_groups([Group(AttnSpec(BS), ["l0", "l1"])])
     plain = SchedulerAdapter(
-        _config(server, lookup_area=False),
+        _config(server, lookup_area=False, key_index=False),
         layout,
         world_size=1,
         model="tiny",
@@ -274,7 +278,7 @@ def test_after_a_server_restart_lookups_send_ids_then_register_a_new_area() -> N
     batch goes through a new area."""
     port = free_port()
     with server_process("--chunk-size", "64", port=port) as (url, proc):
-        sched, worker = _pair(url, "area-restart", interval=0.2)
+        sched, worker = _pair(url, "area-restart", interval=0.2, key_index=False)
         assert ask(sched, FakeRequest("before", list(range(150)))) == (0, False)
         assert _lookup_areas(url) == 1
         proc.kill()
@@ -304,7 +308,7 @@ def test_after_a_failed_lookup_through_the_area_the_next_batch_uses_a_new_one(
     lossy = _LosesFirstReply("/cache/lookup")
     layout = layout_from_groups([Group(AttnSpec(BS), ["l0", "l1"])])
     sched = SchedulerAdapter(
-        _config(server, interval=0.05),
+        _config(server, interval=0.05, key_index=False),
         layout,
         model="tiny",
         instance_id="area-lossy",

@@ -167,8 +167,13 @@ def test_multi_server_agree_and_disagree(tiny_model_dir: Path, built: list[Any])
 # ---------------------------------------------------------- scheduler in the loop
 
 
-def _run_two_requests(tiny_model_dir: Path, extra: dict[str, Any], built: list[Any]) -> Any:
-    """Request A computes a 150-token prompt; B repeats it. Returns the driver."""
+def _run_two_requests(
+    tiny_model_dir: Path, extra: dict[str, Any], built: list[Any], *, key_index: bool
+) -> Any:
+    """Request A computes a 150-token prompt; B repeats it. Returns the driver.
+    ``key_index``: the server publishes one, so B's load is planned in the step vLLM
+    first asks about B; without, B's lookup is asked of the server, and answered in a
+    later step."""
     from tests.connector.vllm_support import (
         LAYERS,
         CpuWorker,
@@ -201,10 +206,15 @@ def _run_two_requests(tiny_model_dir: Path, extra: dict[str, Any], built: list[A
         t.zero_()
 
     scheduler.add_request(make_request("B", prompt))
-    out, _ = worker.step()  # B's lookup starts: vLLM skips B while it is in flight
-    assert out.scheduled_new_reqs == [] and "B" not in out.num_scheduled_tokens
-    # Later steps: the answer lands, blocks are allocated and the load runs...
-    out = step_until(worker, lambda out: any(op.request_id == "B" for op in _loads(out)), "load")
+    out, _ = worker.step()
+    if key_index:  # answered at once: blocks allocated, the load runs in this step...
+        assert [op.request_id for op in _loads(out)] == ["B"]
+    else:  # B's lookup starts: vLLM skips B while it is in flight
+        assert out.scheduled_new_reqs == [] and "B" not in out.num_scheduled_tokens
+        # Later steps: the answer lands, blocks are allocated and the load runs...
+        out = step_until(
+            worker, lambda out: any(op.request_id == "B" for op in _loads(out)), "load"
+        )
     assert out.scheduled_new_reqs == []
     blocks_b = worker.blocks_of("B")
     loaded = {
@@ -247,7 +257,7 @@ def test_scheduler_in_the_loop_fake_server(
     monkeypatch.setattr(MPCacheConnector, "transport_factory", lambda url: fake.transport())
     monkeypatch.setattr(MPCacheConnector, "async_transport_factory", lambda url: fake.transport())
     _worker, new, _prompt, _loaded, _ = _run_two_requests(
-        tiny_model_dir, {"mpcache.server_urls": fake.url}, built
+        tiny_model_dir, {"mpcache.server_urls": fake.url}, built, key_index=False
     )
     assert new.req_id == "B"
     assert new.num_computed_tokens == 128  # two whole chunks came from the cache
@@ -273,7 +283,7 @@ def test_scheduler_in_the_loop_real_server(
     """A real Scheduler, a CPU worker and a real server: B loads A's exact bytes."""
     require_vllm()
     _worker, new, prompt, loaded, kv_value = _run_two_requests(
-        tiny_model_dir, {"mpcache.server_urls": server_64}, built
+        tiny_model_dir, {"mpcache.server_urls": server_64}, built, key_index=True
     )
     assert new.req_id == "B"
     assert new.num_computed_tokens == 144  # two chunks and the tail's one block

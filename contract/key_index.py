@@ -1,0 +1,133 @@
+"""The key index: which chunk and unit keys the server's pool holds, read in place.
+
+The server publishes it (``dataplane.key_index.KeyIndex`` writes it, ``GET
+/cache/key-index`` names it) as one POSIX shared-memory segment of mode 0600, so
+only processes of its own user can map it; the connector maps it read-only and
+answers a lookup on vLLM's thread by computing the prompt's keys itself
+(``contract.chunk_keys``, with the secret in the header) and probing here, with no
+call to the server. It is advisory: a key it shows may be evicted before the load
+(the load then fails and vLLM recomputes), and one it lacks may still be in L2
+(``FLAG_AUTHORITATIVE`` says when a miss here is a miss everywhere).
+
+Layout (little-endian)::
+
+    header (64 bytes): magic "MPKI" | version u32 | slots u32 | flags u32 |
+                       secret u64 | boot_id 16 bytes | 24 reserved
+    slot i (32 bytes, at 64 + 32 i): seq u64 | ranks u64 | key 16 bytes
+
+Open addressing with linear probing from ``key's first 8 bytes & (slots - 1)``. A
+slot never used is all zeros and ends a probe; a key whose ranks fell to 0 stays as
+a tombstone. ``ranks`` has bit r set when rank r holds the key. Each slot is a
+seqlock: the writer makes ``seq`` odd, writes, makes it even again; a reader takes a
+slot only if it read the same even ``seq`` before and after.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "FLAG_AUTHORITATIVE",
+    "HEADER",
+    "HEADER_BYTES",
+    "MAGIC",
+    "MAX_RANKS",
+    "SLOT",
+    "SLOT_BYTES",
+    "VERSION",
+    "IndexHeader",
+    "IndexView",
+]
+
+MAGIC = b"MPKI"
+VERSION = 1
+HEADER = struct.Struct("<4sIIIQ16s24x")
+HEADER_BYTES = HEADER.size
+SLOT = struct.Struct("<QQ16s")
+SLOT_BYTES = SLOT.size
+MAX_RANKS = 64
+"""Ranks a slot's bitmask can name; a wider deployment does not use the index."""
+FLAG_AUTHORITATIVE = 1
+"""The index holds every key the server could serve (no L2 tier, nothing left out)."""
+
+_SEQ = struct.Struct("<Q")
+_EMPTY_KEY = bytes(16)
+_SPINS = 64
+"""Tries to read one slot the writer keeps changing before the probe gives up (a miss)."""
+
+assert HEADER_BYTES == 64 and SLOT_BYTES == 32
+
+
+@dataclass(frozen=True)
+class IndexHeader:
+    slots: int
+    flags: int
+    secret: int
+    boot_id: str
+
+    @classmethod
+    def read(cls, buf: bytes | memoryview) -> IndexHeader:
+        """The header of an index, or ``ValueError`` when ``buf`` is not one."""
+        if len(buf) < HEADER_BYTES:
+            raise ValueError("too short for a key index")
+        magic, version, slots, flags, secret, boot = HEADER.unpack_from(buf)
+        if magic != MAGIC or version != VERSION:
+            raise ValueError(f"not a key index of version {VERSION}: {magic!r} {version}")
+        if slots < 1 or slots & (slots - 1) or len(buf) < HEADER_BYTES + slots * SLOT_BYTES:
+            raise ValueError(f"a key index of {slots} slots does not fit {len(buf)} bytes")
+        return cls(slots=slots, flags=flags, secret=secret, boot_id=boot.hex())
+
+
+class IndexView:
+    """Reads an index in ``buf`` (a read-only mapping); never writes it."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self.header = IndexHeader.read(buf)
+        self._buf = buf
+        self._mask = self.header.slots - 1
+
+    @property
+    def authoritative(self) -> bool:
+        """A miss here is a miss (flags are read afresh: the server may clear it)."""
+        (flags,) = struct.unpack_from("<I", self._buf, 12)
+        return bool(flags & FLAG_AUTHORITATIVE)
+
+    def holds(self, key: bytes, ranks: int) -> bool:
+        """True when every rank in the bitmask ``ranks`` holds ``key``."""
+        buf, mask = self._buf, self._mask
+        pos = int.from_bytes(key[:8], "little") & mask
+        for _ in range(mask + 1):
+            offset = HEADER_BYTES + pos * SLOT_BYTES
+            slot = _read_slot(buf, offset)
+            if slot is None:
+                return False
+            seq, held, found = slot
+            if found == key:
+                return held & ranks == ranks
+            if seq == 0 and found == _EMPTY_KEY:
+                return False
+            pos = (pos + 1) & mask
+        return False
+
+    def leading(self, keys: Sequence[bytes], world_size: int) -> int:
+        """How many of ``keys``, in order, every rank in ``range(world_size)`` holds."""
+        ranks = (1 << world_size) - 1
+        for count, key in enumerate(keys):
+            if not self.holds(key, ranks):
+                return count
+        return len(keys)
+
+
+def _read_slot(buf: memoryview, offset: int) -> tuple[int, int, bytes] | None:
+    """The slot's ``(seq, ranks, key)`` as of one stable ``seq``, or None when the
+    writer kept it changing."""
+    for _ in range(_SPINS):
+        seq, ranks, key = SLOT.unpack_from(buf, offset)
+        if seq & 1:
+            continue
+        (again,) = _SEQ.unpack_from(buf, offset)
+        if again == seq:
+            return seq, ranks, key
+    return None
