@@ -22,6 +22,7 @@ from starlette.routing import Match
 
 from contract.errors import MPCacheError, Unavailable
 from contract.schemas import Problem
+from dataplane.repeats import RepeatedWarning
 
 __all__ = [
     "MAX_DETAIL_CHARS",
@@ -139,6 +140,7 @@ def _allowed_methods(request: Request) -> list[str]:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Map every error the app can raise to one problem-style body."""
+    repeats = RepeatedWarning(logger)
 
     async def on_domain(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, MPCacheError)
@@ -180,11 +182,15 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_disconnect(request: Request, exc: Exception) -> Response:
         # A client that gives up (a connector's lookup timeout) while its body is in
-        # flight: the request is dropped, as it stood. One line, no traceback.
-        logger.warning(
-            "client closed the connection before its %s %s was read whole; dropped",
-            request.method,
-            request.url.path,
+        # flight, or whose body took past --body-timeout-s: the request is dropped, as
+        # it stood. One line, no traceback, once a minute with a count.
+        route = getattr(request.scope.get("route"), "path", None) or "a path no route serves"
+        repeats.warn(
+            "client-disconnect",
+            "client closed the connection (or its body took past --body-timeout-s) before "
+            "its %s %s was read whole; dropped",
+            _cut(request.method, 16),
+            route,
         )
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
