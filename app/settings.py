@@ -189,7 +189,8 @@ class Settings(BaseSettings):
         "256MiB",
         validate_default=True,
         ge=4096,
-        description="Most memory the live sessions' token ids and chunk keys may hold; "
+        description="Most memory the live sessions may hold (their token ids, chunk keys, "
+        "request ids and namespaces, as measured: app/sessions.py); "
         "when full, sessions idle for --lease-ttl-s make room, else 503.",
     )
     max_sessions: int = Field(
