@@ -2,9 +2,9 @@
 
 uvicorn closes a connection that idles between requests (``--keep-alive-timeout-s``,
 its ``timeout_keep_alive``), but not one that never finishes a request's head or
-body, and it accepts connections until the process runs out of descriptors: with
-the soft limit at 1,024, 1,100 idle sockets left ``/health`` and registration
-unanswered, whatever the API token (docs/design.md s.4.2). So ``mpcache server``
+body, and it accepts connections until the process runs out of descriptors: then
+neither ``/health`` nor a worker's registration can be answered, whatever the API
+token (docs/design.md s.4.2; tests/reliability/test_hostile_process.py). So ``mpcache server``
 serves HTTP with uvicorn's own protocol class (``AutoHTTPProtocol``) wrapped by
 ``guarded_protocol``, whose connections a ``ConnectionGuard`` keeps in three phases:
 

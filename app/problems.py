@@ -3,8 +3,8 @@
 Replies stay small whatever the request was (docs/design.md s.4.2): a validation
 failure reports its first ``MAX_REPORTED_ERRORS`` errors and how many there were,
 each error's location and message cut short (``brief_errors``), and no ``detail``
-or text extra passes ``MAX_DETAIL_CHARS``: a hostile body of 300,000 bad items gets
-the same few-hundred-byte 422 as one bad item.
+or text extra passes ``MAX_DETAIL_CHARS``: a hostile body of any number of bad items
+gets a 422 as small as one bad item's (tests/app/test_hostile_input.py).
 """
 
 from __future__ import annotations

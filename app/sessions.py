@@ -12,9 +12,9 @@ charged for what they keep (``session_bytes``): the token ids and keys, their
 request id, namespace and salt as Python holds them (up to 4 bytes a character),
 and the session's own objects; the total is capped at ``max_bytes`` and the count
 at ``max_sessions``. The charge is measured: a server filled with sessions of the
-longest ids, namespace and salt grows by at most 1.25x ``max_bytes``
-(tests/reliability/test_session_memory.py; it was 3.4x when only token ids and
-keys were charged, and a session's strings cost more than its charge). A session that does
+longest ids, namespace and salt, or of token ids, grows by about ``max_bytes``
+(tests/reliability/test_session_memory.py checks it; charging only token ids and
+keys let such sessions cost several times their charge). A session that does
 not fit first makes room from the least recently used sessions that have been
 idle for ``evict_idle_s`` (the lease TTL: their leases have lapsed, so only a hash
 memo is lost); if that is not enough the call is refused with 503
