@@ -187,8 +187,8 @@ def install_error_handlers(app: FastAPI) -> None:
         route = getattr(request.scope.get("route"), "path", None) or "a path no route serves"
         repeats.warn(
             "client-disconnect",
-            "client closed the connection (or its body took past --body-timeout-s) before "
-            "its %s %s was read whole; dropped",
+            "client closed the connection before its %s %s was read whole (or the body "
+            "took past --body-timeout-s); dropped",
             _cut(request.method, 16),
             route,
         )
