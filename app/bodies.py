@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.problems import problem_response
+from app.problems import BriefValidationError, brief_errors, problem_response
 from contract.errors import PayloadTooLarge, Unavailable, UnsupportedMediaType
 from contract.schemas import TokenSpan, TransferItem
 from dataplane import libc
@@ -38,6 +38,7 @@ __all__ = [
     "INLINE_BODY_BYTES",
     "BodyLimit",
     "BodyParser",
+    "decode_json",
     "is_json",
     "json_body_doc",
     "read_json",
@@ -150,12 +151,17 @@ def _compact(value: Any) -> Any:
 
 
 def _decode(model: type[BaseModel], raw: bytes) -> tuple[bool, Any]:
-    """In the helper process: ``(True, compact model)`` or ``(False, errors)``."""
+    """In the helper process: ``(True, compact model)`` or ``(False, (its first
+    errors, how many))``: the reply is built from a few errors whatever the body."""
     try:
         parsed = model.model_validate_json(raw)
     except ValidationError as exc:
-        return False, exc.errors(include_url=False, include_input=False, include_context=False)
+        return False, (brief_errors(_errors(exc)), exc.error_count())
     return True, _compact(parsed)
+
+
+def _errors(exc: ValidationError) -> list[Any]:
+    return exc.errors(include_url=False, include_input=False, include_context=False)
 
 
 class BodyParser:
@@ -196,7 +202,8 @@ class BodyParser:
                     self._executor = None
             raise Unavailable("the body decoder restarted; retry the call") from exc
         if not ok:
-            raise RequestValidationError(value)
+            errors, count = value
+            raise BriefValidationError(errors, count)
         assert isinstance(value, model)
         return value
 
@@ -235,16 +242,19 @@ async def read_json(request: Request, model: type[M]) -> M:
         raise UnsupportedMediaType(
             f"this route takes application/json, not {media_type}", media_type=media_type
         )
-    raw = await request.body()
+    return await decode_json(request, model, await request.body())
+
+
+async def decode_json(request: Request, model: type[M], raw: bytes) -> M:
+    """``raw`` (JSON text of ``model``, part of ``request``) decoded here when small,
+    else by the runtime's ``BodyParser``; 422 if it does not fit."""
     if len(raw) > INLINE_BODY_BYTES:
         parser: BodyParser = request.app.state.runtime.parser
         return await parser.decode(model, raw)
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        raise RequestValidationError(
-            exc.errors(include_url=False, include_input=False, include_context=False)
-        ) from exc
+        raise BriefValidationError(_errors(exc), exc.error_count()) from exc
 
 
 def json_body_doc(model: type[BaseModel]) -> dict[str, Any]:

@@ -253,6 +253,24 @@ def _read_request_bodies_whole() -> None:
             setattr(module, "HIGH_WATER_LIMIT", max(limit, READ_BUFFER_BYTES))  # noqa: B010
 
 
+def _connection_limit(settings: Settings) -> int:
+    """``--max-connections``, fitted to the open-file limit (raised first)."""
+    from app.connections import RESERVED_DESCRIPTORS, fit_connections, open_file_limit
+
+    soft = open_file_limit()
+    limit = fit_connections(settings.max_connections, soft)
+    if limit < settings.max_connections:
+        logger.warning(
+            "--max-connections %d lowered to %d: the open-file limit is %d and the server "
+            "keeps %d descriptors for the rest (raise it with `ulimit -n`)",
+            settings.max_connections,
+            limit,
+            soft,
+            RESERVED_DESCRIPTORS,
+        )
+    return limit
+
+
 def _exit_on_signal(signum: int, _: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -288,9 +306,15 @@ def serve(settings: Settings) -> None:
         settings = settings.model_copy(update={"port": port})  # members advertise it
     import uvicorn
 
+    from app.connections import ConnectionGuard, guarded_protocol
     from app.main import create_app
 
     _read_request_bodies_whole()
+    guard = ConnectionGuard(
+        max_connections=_connection_limit(settings),
+        header_timeout_s=settings.header_timeout_s,
+        body_timeout_s=settings.body_timeout_s,
+    )
 
     logger.info(
         "mpcache %s listening on %s:%d: API %s, docs %s/docs, metrics %s/metrics",
@@ -307,6 +331,9 @@ def serve(settings: Settings) -> None:
         port=port,
         log_config=None,  # configured above (app.logs)
         lifespan="on",
+        # Header and body timeouts and the connection limit (app.connections).
+        http=guarded_protocol(guard),
+        timeout_keep_alive=settings.keep_alive_timeout_s,
         # SIGTERM: requests in flight get this long, then are cancelled; the lifespan
         # then stops store/retrieve at their next chunk (app.state, Runtime.close).
         timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s),

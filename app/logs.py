@@ -6,6 +6,10 @@ handler on stderr, in plain text (default) or one JSON object per line
 several per engine step) is shown only at ``debug`` and ``trace``; the
 ``mpcache_http_request_duration_seconds`` histogram covers requests at other levels.
 
+uvicorn logs a warning per bad request ("Invalid HTTP request received."), which a
+client can send in a loop: ``RepeatFilter`` passes each of uvicorn's warnings at
+most once a minute, with a count.
+
 ``mpcache server`` configures logging before uvicorn starts and tells uvicorn to
 leave it alone. Under plain ``uvicorn app.main:app`` the lifespan configures the
 server's loggers only, unless the host process already configured logging.
@@ -16,14 +20,18 @@ from __future__ import annotations
 import json
 import logging
 import logging.config
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from app.settings import LogFormat, LogLevel
+from dataplane.repeats import REPEAT_INTERVAL_S
 
 __all__ = [
     "SERVER_LOGGERS",
     "JsonFormatter",
+    "RepeatFilter",
     "configure_logging",
     "host_configured_logging",
     "logging_config",
@@ -73,6 +81,37 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(body, default=str)
 
 
+class RepeatFilter(logging.Filter):
+    """Passes a warning at most once per ``interval_s`` per logger and message
+    template; the next one passed says how many were dropped. Errors always pass."""
+
+    def __init__(
+        self, interval_s: float = REPEAT_INTERVAL_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        super().__init__()
+        self._interval_s = interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last: dict[tuple[str, str], float] = {}
+        self._dropped: dict[tuple[str, str], int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING:
+            return True
+        key = (record.name, str(record.msg))
+        now = self._clock()
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and now - last < self._interval_s:
+                self._dropped[key] = self._dropped.get(key, 0) + 1
+                return False
+            self._last[key] = now
+            dropped = self._dropped.pop(key, 0)
+        if dropped:
+            record.msg = f"{record.msg} ({dropped} more since the last such warning)"
+        return True
+
+
 def logging_config(level: LogLevel, fmt: LogFormat, *, uvicorn: bool = True) -> dict[str, Any]:
     """A ``logging.config.dictConfig`` dict for the server's loggers (and uvicorn's)."""
     number = _LEVELS[level]
@@ -85,7 +124,12 @@ def logging_config(level: LogLevel, fmt: LogFormat, *, uvicorn: bool = True) -> 
     }
     if uvicorn:
         for name in _UVICORN_LOGGERS:
-            loggers[name] = {"handlers": ["mpcache"], "level": number, "propagate": False}
+            loggers[name] = {
+                "handlers": ["mpcache"],
+                "level": number,
+                "propagate": False,
+                "filters": ["repeats"],
+            }
         loggers[_ACCESS_LOGGER] = {
             "handlers": ["mpcache"],
             "level": number if number <= logging.DEBUG else logging.WARNING,
@@ -95,6 +139,7 @@ def logging_config(level: LogLevel, fmt: LogFormat, *, uvicorn: bool = True) -> 
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"mpcache": formatter},
+        "filters": {"repeats": {"()": f"{__name__}.RepeatFilter"}},
         "handlers": {
             "mpcache": {
                 "class": "logging.StreamHandler",

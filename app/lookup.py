@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from app.bodies import is_json, read_json, span_tokens
+from app.bodies import INLINE_BODY_BYTES, decode_json, is_json, read_json, span_tokens
 from app.chunk_size import ChunkSizeAuthority
 from app.hashing import TokenHasher
 from app.l2 import L2Tier
@@ -29,7 +29,13 @@ from app.telemetry import Telemetry
 from app.units import check_unit, probe_units
 from contract.errors import UnsupportedMediaType
 from contract.frames import LOOKUP_FRAME_MEDIA_TYPE, LookupFrameReader
-from contract.schemas import LookupRequest, LookupResponse, LookupResult, LookupTarget
+from contract.schemas import (
+    LookupFrameHeader,
+    LookupRequest,
+    LookupResponse,
+    LookupResult,
+    LookupTarget,
+)
 from dataplane.pool import Pool
 from dataplane.registry import Registry
 
@@ -260,11 +266,16 @@ class Lookups:
         been served (sessions opened, hits leased: the connector's session end, or the
         lease's expiry, releases them)."""
         batch = self.begin()  # 409 before the body is read
-        reader = LookupFrameReader(self._areas.tokens)
+        # A large header is parsed off the event loop, as a large JSON body is.
+        reader = LookupFrameReader(self._areas.tokens, inline_header_bytes=INLINE_BODY_BYTES)
         try:
             async for chunk in request.stream():
                 inline: Items = []  # answered together, in order, before a large item
-                for item, tokens in reader.feed(chunk):
+                completed = reader.feed(chunk)
+                if reader.raw_header is not None:
+                    header = await decode_json(request, LookupFrameHeader, reader.raw_header)
+                    completed = reader.set_header(header)
+                for item, tokens in completed:
                     if len(tokens) <= INLINE_LOOKUP_TOKENS:
                         inline.append((item, tokens))
                         continue

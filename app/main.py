@@ -192,12 +192,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for router in (control.router, register.router, cache.router):
         app.include_router(router)
     app.router.routes.append(Route("/metrics", MetricsEndpoint(), methods=["GET"]))
-    _document_models(app, body_models(ENDPOINTS))
+    _document_models(app, body_models(ENDPOINTS), settings)
     return app
 
 
-def _document_models(app: FastAPI, models: list[type[BaseModel]]) -> None:
-    """Add schemas of bodies a route parses itself (``openapi_extra`` refers to them)."""
+def _document_models(
+    app: FastAPI, models: list[type[BaseModel]], settings: Settings | None
+) -> None:
+    """Add schemas of bodies a route parses itself (``openapi_extra`` refers to them),
+    and the bounds this server's settings put on them (``_server_bounds``)."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -211,9 +214,23 @@ def _document_models(app: FastAPI, models: list[type[BaseModel]]) -> None:
         for name, definition in defs.get("$defs", {}).items():
             known.setdefault(name, definition)
         _integer_bounds(schema)
+        runtime = getattr(app.state, "runtime", None)
+        _server_bounds(known, runtime.settings if runtime is not None else settings)
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _server_bounds(schemas: dict[str, Any], settings: Settings | None) -> None:
+    """Bounds that come from the server's settings: an alignment above
+    ``--max-chunk-size`` can never be served, so the schema says so (the settings of
+    the running server; the defaults where there is none, as for openapi.json)."""
+    most = (
+        settings.max_chunk_size
+        if settings is not None
+        else Settings.model_fields["max_chunk_size"].default
+    )
+    schemas["NegotiateRequest"]["properties"]["required_alignment"]["maximum"] = most
 
 
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")

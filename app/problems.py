@@ -1,8 +1,16 @@
-"""The one place where errors become HTTP replies: problem-style JSON bodies."""
+"""The one place where errors become HTTP replies: problem-style JSON bodies.
+
+Replies stay small whatever the request was (docs/design.md s.4.2): a validation
+failure reports its first ``MAX_REPORTED_ERRORS`` errors and how many there were,
+each error's location and message cut short (``brief_errors``), and no ``detail``
+or text extra passes ``MAX_DETAIL_CHARS``: a hostile body of any number of bad items
+gets a 422 as small as one bad item's (tests/app/test_hostile_input.py).
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -14,8 +22,18 @@ from starlette.routing import Match
 
 from contract.errors import MPCacheError, Unavailable
 from contract.schemas import Problem
+from dataplane.repeats import RepeatedWarning
 
-__all__ = ["PROBLEM_MEDIA_TYPE", "install_error_handlers", "problem_doc", "problem_response"]
+__all__ = [
+    "MAX_DETAIL_CHARS",
+    "MAX_REPORTED_ERRORS",
+    "PROBLEM_MEDIA_TYPE",
+    "BriefValidationError",
+    "brief_errors",
+    "install_error_handlers",
+    "problem_doc",
+    "problem_response",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +45,45 @@ client closed its connection before the body was read whole; nothing is sent."""
 
 FASTAPI_BODY_ERROR = "There was an error parsing the body"
 """The detail of the 400 FastAPI raises when it cannot decode a body it parses."""
+
+MAX_REPORTED_ERRORS = 5
+"""Validation errors a 422 lists; it says how many more there were."""
+MAX_DETAIL_CHARS = 2048
+"""Longest ``detail``, or text extra, of a problem reply (a longer one is cut)."""
+_MAX_LOC_CHARS = 120
+_MAX_MSG_CHARS = 200
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def brief_errors(errors: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The first ``MAX_REPORTED_ERRORS`` of pydantic-style ``errors``, each as
+    ``{"loc", "msg", "type"}`` with its location and message cut short (a location
+    may hold a client's key of any length, a message a client's value)."""
+    brief = []
+    for err in errors[:MAX_REPORTED_ERRORS]:
+        loc = [_cut(str(p), _MAX_LOC_CHARS) for p in err.get("loc", ())]
+        while len(".".join(loc)) > _MAX_LOC_CHARS and len(loc) > 1:
+            loc.pop(0)  # the innermost parts say most
+        brief.append(
+            {
+                "loc": loc,
+                "msg": _cut(str(err.get("msg", "invalid")), _MAX_MSG_CHARS),
+                "type": _cut(str(err.get("type", "")), 64),
+            }
+        )
+    return brief
+
+
+class BriefValidationError(RequestValidationError):
+    """A validation failure carried by its first errors (``brief_errors``) and its
+    error count: what the body decoder's helper process sends back."""
+
+    def __init__(self, errors: Sequence[Mapping[str, Any]], count: int | None = None) -> None:
+        super().__init__(brief_errors(errors))
+        self.count = len(errors) if count is None else count
 
 
 def problem_doc(description: str) -> dict[str, Any]:
@@ -46,22 +103,26 @@ def problem_response(
         "type": f"urn:mpcache:problem:{slug}",
         "title": title,
         "status": status,
-        "detail": detail,
-        **extras,
+        "detail": _cut(detail, MAX_DETAIL_CHARS),
+        **{k: _cut(v, MAX_DETAIL_CHARS) if isinstance(v, str) else v for k, v in extras.items()},
     }
     return JSONResponse(body, status_code=status, headers=headers, media_type=PROBLEM_MEDIA_TYPE)
 
 
-def _describe_validation(exc: RequestValidationError) -> tuple[str, list[dict[str, Any]]]:
-    errors: list[dict[str, Any]] = []
-    parts: list[str] = []
-    for err in exc.errors():
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        where = ".".join(loc) or "body"
-        msg = str(err.get("msg", "invalid"))
-        parts.append(f"{where}: {msg}")
-        errors.append({"loc": loc, "msg": msg, "type": str(err.get("type", ""))})
-    return "; ".join(parts) or "the request body is not valid", errors
+def _describe_validation(exc: RequestValidationError) -> tuple[str, list[dict[str, Any]], int]:
+    """``(detail, errors, count)`` of a validation failure, its first few errors only."""
+    found = exc.errors()
+    count = exc.count if isinstance(exc, BriefValidationError) else len(found)
+    errors = brief_errors(
+        [
+            {**err, "loc": [p for p in err.get("loc", ()) if p != "body"]}
+            for err in found[:MAX_REPORTED_ERRORS]
+        ]
+    )
+    parts = [f"{'.'.join(err['loc']) or 'body'}: {err['msg']}" for err in errors]
+    if count > len(errors):
+        parts.append(f"and {count - len(errors)} more error(s)")
+    return "; ".join(parts) or "the request body is not valid", errors, count
 
 
 def _allowed_methods(request: Request) -> list[str]:
@@ -79,6 +140,7 @@ def _allowed_methods(request: Request) -> list[str]:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Map every error the app can raise to one problem-style body."""
+    repeats = RepeatedWarning(logger)
 
     async def on_domain(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, MPCacheError)
@@ -90,9 +152,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_validation(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        detail, errors = _describe_validation(exc)
+        detail, errors, count = _describe_validation(exc)
         return problem_response(
-            422, "Malformed request", "malformed-request", detail, errors=errors
+            422, "Malformed request", "malformed-request", detail, errors=errors, error_count=count
         )
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
@@ -120,11 +182,15 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_disconnect(request: Request, exc: Exception) -> Response:
         # A client that gives up (a connector's lookup timeout) while its body is in
-        # flight: the request is dropped, as it stood. One line, no traceback.
-        logger.warning(
-            "client closed the connection before its %s %s was read whole; dropped",
-            request.method,
-            request.url.path,
+        # flight, or whose body took past --body-timeout-s: the request is dropped, as
+        # it stood. One line, no traceback, once a minute with a count.
+        route = getattr(request.scope.get("route"), "path", None) or "a path no route serves"
+        repeats.warn(
+            "client-disconnect",
+            "client closed the connection before its %s %s was read whole (or the body "
+            "took past --body-timeout-s); dropped",
+            _cut(request.method, 16),
+            route,
         )
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 

@@ -8,8 +8,13 @@ number of live sessions is what forbids a chunk-size resize (docs/design.md s.2.
 
 Bounded memory. A client that looks up huge prompts and never ends them would
 otherwise hold their token ids for ``ttl_s`` each, without limit. Sessions are
-charged for the token ids and keys they keep (``session_bytes``); the total is
-capped at ``max_bytes`` and the count at ``max_sessions``. A session that does
+charged for what they keep (``session_bytes``): the token ids and keys, their
+request id, namespace and salt as Python holds them (up to 4 bytes a character),
+and the session's own objects; the total is capped at ``max_bytes`` and the count
+at ``max_sessions``. The charge is measured: a server filled with sessions of the
+longest ids, namespace and salt, or of token ids, grows by about ``max_bytes``
+(tests/reliability/test_session_memory.py checks it; charging only token ids and
+keys let such sessions cost several times their charge). A session that does
 not fit first makes room from the least recently used sessions that have been
 idle for ``evict_idle_s`` (the lease TTL: their leases have lapsed, so only a hash
 memo is lost); if that is not enough the call is refused with 503
@@ -20,6 +25,7 @@ the sessions they remove.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -32,19 +38,32 @@ from app.hashing import TokenHasher
 from contract.errors import InvalidRequest, SessionsFull
 from contract.tokens import TOKEN_DTYPE
 
-__all__ = ["Session", "SessionManager", "session_bytes"]
+__all__ = ["Session", "SessionManager", "session_bytes", "text_bytes"]
 
-KEY_BYTES = 64
-"""What one cached chunk key costs in a session (a 16-byte ``bytes`` object and
-its list slot)."""
+KEY_BYTES = 80
+"""What one cached chunk key costs in a session (a 16-byte ``bytes`` object as the
+allocator rounds it, and its list slot)."""
 
 SESSION_OVERHEAD_BYTES = 512
-"""What an empty session costs (the object, its request id, its dict slot)."""
+"""What a session costs besides its strings, ids and keys: the object, its slot in
+the session table, its empty key list, an id array's header (about 410 bytes by
+tracemalloc, and the allocator's rounding)."""
 
 
-def session_bytes(num_tokens: int, chunk_size: int) -> int:
-    """Memory a session charges for ``num_tokens`` token ids and their chunk keys."""
-    return SESSION_OVERHEAD_BYTES + 4 * num_tokens + KEY_BYTES * (num_tokens // chunk_size)
+def text_bytes(request_id: str, namespace: str, cache_salt: str | None) -> int:
+    """What a session's strings cost as Python holds them (1, 2 or 4 bytes a
+    character, by the widest one, and a header). A request id that is not ASCII
+    also keeps a UTF-8 copy once a reply has named it (CPython caches it on the
+    string)."""
+    salt = 0 if cache_salt is None else sys.getsizeof(cache_salt)
+    utf8 = 0 if request_id.isascii() else len(request_id.encode(errors="surrogatepass")) + 1
+    return sys.getsizeof(request_id) + utf8 + sys.getsizeof(namespace) + salt
+
+
+def session_bytes(num_tokens: int, chunk_size: int, text: int = 0) -> int:
+    """Memory a session charges for ``num_tokens`` token ids, their chunk keys, and
+    ``text`` bytes of strings (``text_bytes``)."""
+    return SESSION_OVERHEAD_BYTES + text + 4 * num_tokens + KEY_BYTES * (num_tokens // chunk_size)
 
 
 _NO_TOKENS = np.empty(0, dtype="<i4")
@@ -65,6 +84,8 @@ class Session:
     # id): its release must give them back.
     holds_leases: bool = False
     charged_bytes: int = 0
+    text_bytes: int = 0
+    """What its request id, namespace and salt cost (``text_bytes``)."""
 
 
 ReleaseHook = Callable[[Session], None]
@@ -182,7 +203,8 @@ class SessionManager:
             if session is not None:
                 self._drop(session)
             session = Session(request_id, namespace, cache_salt, now, _NO_TOKENS, [])
-        need = session_bytes(max(num_tokens, len(session.hashed_tokens)), size)
+            session.text_bytes = text_bytes(request_id, namespace, cache_salt)
+        need = session_bytes(max(num_tokens, len(session.hashed_tokens)), size, session.text_bytes)
         self._make_room(session, need, now)
         if request_id not in self._sessions:
             self._sessions[request_id] = session
@@ -200,13 +222,14 @@ class SessionManager:
         if len(keys) >= len(session.keys):
             session.keys = keys
             hashed = tokens[: len(keys) * size]
-            session.hashed_tokens = (
-                hashed.copy()  # the caller's buffer may be reused
-                if type(hashed) is np.ndarray and hashed.dtype == TOKEN_DTYPE
-                else np.array(hashed, dtype=TOKEN_DTYPE)
-            )
+            if not len(hashed):
+                session.hashed_tokens = _NO_TOKENS  # no array per session for nothing
+            elif type(hashed) is np.ndarray and hashed.dtype == TOKEN_DTYPE:
+                session.hashed_tokens = hashed.copy()  # the caller's buffer may be reused
+            else:
+                session.hashed_tokens = np.array(hashed, dtype=TOKEN_DTYPE)
         if self._sessions.get(request_id) is session:
-            kept = session_bytes(len(session.hashed_tokens), size)
+            kept = session_bytes(len(session.hashed_tokens), size, session.text_bytes)
             self._bytes += kept - session.charged_bytes
             session.charged_bytes = kept
 
@@ -215,7 +238,7 @@ class SessionManager:
         ``SessionsFull`` if sessions used within ``evict_idle_s`` hold the rest."""
         if need > self._max_bytes:
             raise InvalidRequest(
-                f"request {session.request_id!r}: its {need} bytes of token ids and keys "
+                f"request {session.request_id!r}: its {need} bytes of token ids, keys and ids "
                 f"exceed the server's whole session memory ({self._max_bytes} bytes); "
                 "raise --session-memory (MPCACHE_SESSION_MEMORY) or send a shorter prompt",
                 request_id=session.request_id,
@@ -232,8 +255,8 @@ class SessionManager:
             self._drop(oldest)
         if not self._fits(session, need):
             raise SessionsFull(
-                f"{len(self._sessions)} live sessions hold {self._bytes} bytes of token ids "
-                f"and keys (limits: {self._max_sessions} sessions, {self._max_bytes} "
+                f"{len(self._sessions)} live sessions hold {self._bytes} bytes of session "
+                f"memory (limits: {self._max_sessions} sessions, {self._max_bytes} "
                 f"bytes), all used in the last {self._evict_idle_s:g} s; end finished "
                 "requests (POST /cache/end), retry later, or raise --session-memory / "
                 "--max-sessions",

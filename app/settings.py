@@ -195,7 +195,8 @@ class Settings(BaseSettings):
         "256MiB",
         validate_default=True,
         ge=4096,
-        description="Most memory the live sessions' token ids and chunk keys may hold; "
+        description="Most memory the live sessions may hold (their token ids, chunk keys, "
+        "request ids and namespaces, as measured: app/sessions.py); "
         "when full, sessions idle for --lease-ttl-s make room, else 503.",
     )
     max_sessions: int = Field(
@@ -206,6 +207,36 @@ class Settings(BaseSettings):
         gt=0,
         description="On SIGTERM, seconds in-flight requests get to finish; then store "
         "and retrieve stop at the next chunk and the server exits.",
+    )
+    max_connections: int = Field(
+        256,
+        ge=1,
+        le=65536,
+        description="Most open HTTP connections. At the limit a new connection closes the one "
+        "that has waited longest for a request (or for its body); if each one is serving a "
+        "request, the new one is closed. At start the soft open-file limit is raised to the "
+        "hard one, and this is lowered (with a warning) to leave 256 descriptors for the rest.",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="Seconds a connection may take to send a whole request head (from its "
+        "opening, or from its previous reply); then it is closed.",
+    )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="Seconds a request's body may take to arrive once its head has; then its "
+        "connection is closed.",
+    )
+    keep_alive_timeout_s: int = Field(
+        5,
+        ge=1,
+        le=3600,
+        description="Seconds an idle connection is kept open for its next request "
+        "(uvicorn's --timeout-keep-alive).",
     )
     api_token: SecretStr | None = Field(
         None,

@@ -9,6 +9,10 @@ Names follow Prometheus conventions: base units (seconds, bytes) in the name,
 ``_total`` on counters, no ``_created`` series. Durations are histograms:
 ``mpcache_http_request_duration_seconds`` per route (the route's template, never
 the raw path) and ``mpcache_cache_op_duration_seconds`` per cache operation.
+
+Every label value comes from a set the server fixes, never from what a client
+sends: an unknown method or path is ``other`` (``RequestTimer``), so a scan of made-up
+methods or paths cannot grow ``/metrics`` (docs/design.md s.4.2).
 """
 
 from __future__ import annotations
@@ -32,7 +36,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.stalls import SlowRequests
 from contract import __version__
 
-__all__ = ["LATENCY_BUCKETS_S", "MetricsEndpoint", "RequestTimer", "Telemetry"]
+__all__ = [
+    "HTTP_METHODS",
+    "LATENCY_BUCKETS_S",
+    "OTHER",
+    "MetricsEndpoint",
+    "RequestTimer",
+    "Telemetry",
+]
+
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+"""Methods the request histogram names; any other is counted as ``OTHER``."""
+OTHER = "other"
+"""The label value of a method outside ``HTTP_METHODS``, or a path no route matches."""
 
 LATENCY_BUCKETS_S = (
     0.0005,
@@ -207,7 +223,8 @@ class RequestTimer:
     (and warn of a slow one: ``app.stalls.SlowRequests``).
 
     The route label is the matched route's template (``/register/{instance_id:path}/{rank}``),
-    or ``unmatched``, so a scan of random paths cannot grow the label set.
+    or ``other``, and the method label one of ``HTTP_METHODS`` or ``other``, so a scan
+    of random paths or made-up methods cannot grow the label set.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -231,10 +248,9 @@ class RequestTimer:
         finally:
             runtime = getattr(scope["app"].state, "runtime", None)
             if runtime is not None:
-                route = getattr(scope.get("route"), "path", None) or "unmatched"
+                route = getattr(scope.get("route"), "path", None) or OTHER
+                method = scope["method"] if scope["method"] in HTTP_METHODS else OTHER
                 seconds = time.perf_counter() - start
                 telemetry: Telemetry = runtime.telemetry
-                telemetry.request_seconds.labels(scope["method"], route, str(status)).observe(
-                    seconds
-                )
-                telemetry.slow_requests.observe(scope["method"], route, status, seconds)
+                telemetry.request_seconds.labels(method, route, str(status)).observe(seconds)
+                telemetry.slow_requests.observe(method, route, status, seconds)

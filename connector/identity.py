@@ -38,6 +38,10 @@ def layout_digest(layout: KVLayout, specs: Sequence[Any] = ()) -> str:
 
 
 def namespace_for(model: str, layout: KVLayout, world_size: int, specs: Sequence[Any] = ()) -> str:
-    """``<model>@<layout digest>/ws<N>``: chunks are shared only by identical layouts."""
-    name = model if len(model) <= 200 else hashlib.sha256(model.encode()).hexdigest()[:32]
+    """``<model>@<layout digest>/ws<N>``: chunks are shared only by identical layouts.
+
+    A namespace is printable ASCII (``contract.schemas.NAME_PATTERN``): a model name
+    that is not, or is long (a local path), is replaced by its digest."""
+    plain = len(model) <= 200 and model.isascii() and model.isprintable()
+    name = model if plain else hashlib.sha256(model.encode(errors="surrogatepass")).hexdigest()[:32]
     return f"{name}@{layout_digest(layout, specs)}/ws{world_size}"

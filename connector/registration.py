@@ -43,9 +43,10 @@ __all__ = ["KVRegistration", "block_view"]
 
 logger = logging.getLogger("mpcache.connector")
 
-_SEGMENT_TICKET = "segment:{}"
-"""Placeholder ticket of the i-th memfd in the kept registration; a fresh ticket
-replaces it at each registration (tickets are good for one)."""
+_SEGMENT_TICKET = "segment-{}"
+"""Placeholder ticket (URL-safe, as tickets are) of the i-th memfd in the kept
+registration; a fresh ticket replaces it at each registration (tickets are good for
+one)."""
 
 
 def block_view(tensor: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, int]:

@@ -144,13 +144,19 @@ class ServerLink:
 def negotiate_request(
     alignment: int, *, model: str, role: Literal["scheduler", "worker"], instance_id: str
 ) -> NegotiateRequest:
-    """The negotiation body of an adapter (bookkeeping fields cut to the schema's bounds)."""
+    """The negotiation body of an adapter (bookkeeping fields cut to the schema's
+    bounds, control characters replaced: they are for the server's log)."""
     return NegotiateRequest(
         required_alignment=alignment,
-        model=model[:512],
+        model=_loggable(model, 512),
         role=role,
-        instance_id=instance_id[:256],
+        instance_id=_loggable(instance_id, 256),
     )
+
+
+def _loggable(text: str, max_chars: int) -> str:
+    """``text`` in at most ``max_chars``, with ``?`` for each control character."""
+    return "".join("?" if ord(c) < 0x20 or c == "\x7f" else c for c in text[:max_chars])
 
 
 async def renegotiate(

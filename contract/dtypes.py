@@ -1,7 +1,8 @@
 """Tensor dtype names on the wire: ``"bfloat16"`` and friends (``torch.`` optional).
 
 The connector names a tensor's dtype with ``dtype_name``; the server accepts only
-the names in ``DTYPES`` (``parse_dtype`` raises ``InvalidDescriptor`` for others).
+the names in ``DTYPES``, which are the schema's ``DTYPE_NAMES`` (the request model
+refuses others; ``parse_dtype`` raises ``InvalidDescriptor`` for them too).
 """
 
 from __future__ import annotations
@@ -9,24 +10,11 @@ from __future__ import annotations
 import torch
 
 from contract.errors import InvalidDescriptor
+from contract.schemas import DTYPE_NAMES
 
 __all__ = ["DTYPES", "dtype_name", "parse_dtype"]
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 """Dtype names a descriptor may use (``torch.`` prefix accepted)."""
 
 

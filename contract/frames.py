@@ -156,10 +156,20 @@ class LookupFrameReader:
     not validate: pydantic's ``ValidationError``, itself a ``ValueError``). With a
     lookup area, the items' ids are copied out of the area (``fetch``) when their
     marks arrive, so what the server hashes is what it keeps.
+
+    A header longer than ``inline_header_bytes`` is not parsed here: once it has
+    arrived, ``raw_header`` holds its JSON for the caller to parse elsewhere (a
+    server, off its event loop) and hand back with ``set_header``; until then
+    ``feed`` only buffers.
     """
 
-    def __init__(self, fetch: AreaFetch | None = None) -> None:
+    def __init__(
+        self, fetch: AreaFetch | None = None, *, inline_header_bytes: int | None = None
+    ) -> None:
         self._fetch = fetch
+        self._inline_header_bytes = inline_header_bytes
+        self.raw_header: bytes | None = None
+        """The header's JSON, when it is the caller's to parse (``set_header``)."""
         self._area_offset = 0  # where the next item's ids start in the area
         self._buf = bytearray()
         self._at = 0  # consumed bytes at the front of _buf
@@ -172,7 +182,7 @@ class LookupFrameReader:
     def feed(self, data: bytes) -> list[tuple[LookupFrameItem, np.ndarray]]:
         self._buf += data
         self._received += len(data)
-        if self._header is None and not self._read_header():
+        if self._header is None and (self.raw_header is not None or not self._read_header()):
             return []
         assert self._header is not None
         if self._header.area is not None:
@@ -266,15 +276,27 @@ class LookupFrameReader:
         if magic != LOOKUP_FRAME_MAGIC:
             raise ValueError(f"a lookup frame starts with {LOOKUP_FRAME_MAGIC!r}, not {magic!r}")
         self._head_end = _PREFIX.size + head_len
-        start = self._head_end + (-head_len % 4)
-        if len(self._buf) < start:
+        if len(self._buf) < self._head_end + (-head_len % 4):
             return False
-        self._header = LookupFrameHeader.model_validate_json(
-            bytes(self._buf[_PREFIX.size : self._head_end])
-        )
-        self._at = start
-        self._tokens_start = start
+        raw = bytes(self._buf[_PREFIX.size : self._head_end])
+        if self._inline_header_bytes is not None and head_len > self._inline_header_bytes:
+            self.raw_header = raw
+            return False
+        self._start(LookupFrameHeader.model_validate_json(raw))
         return True
+
+    def _start(self, header: LookupFrameHeader) -> None:
+        self._header = header
+        self._at = self._tokens_start = self._head_end + (-(self._head_end - _PREFIX.size) % 4)
+
+    def set_header(self, header: LookupFrameHeader) -> list[tuple[LookupFrameItem, np.ndarray]]:
+        """The header ``raw_header`` held, parsed: the reader goes on, and returns the
+        items the bytes received so far complete."""
+        if self.raw_header is None or self._header is not None:
+            raise ValueError("this reader is not waiting for its header")
+        self.raw_header = None
+        self._start(header)
+        return self.feed(b"")
 
     def _fail_length(self) -> None:
         assert self._header is not None

@@ -20,6 +20,21 @@ Conventions (docs/design.md s.4, s.5):
   node), a worker's rank is its position among the ranks that use its server, and
   a lookup's ``world_size`` is how many ranks use that server. A chunk hits only
   when every one of those ranks stored it.
+
+Every field is bounded to what it can be, and the schema says so (docs/design.md
+s.4.2): each list has a most length (``MAX_*``: what the server can hold) and stops
+at its first bad element, so a malformed body costs one error, not one per item;
+each string has a length and a character set:
+
+- names the connector builds (``namespace``, layer names, GPU UUIDs) are printable
+  ASCII (``NAME_PATTERN``);
+- operator-chosen text (``instance_id``, ``model``) has no control characters
+  (``TEXT_PATTERN``);
+- secrets and handles the server hands out (tickets, lookup areas) are URL-safe
+  (``URLSAFE_PATTERN``); CUDA handles are base64 (``BASE64_PATTERN``);
+- a dtype is one of ``DTYPE_NAMES``;
+- ``request_id`` and ``cache_salt`` come from vLLM's users unchanged, so any text is
+  taken (only its length is bounded): refusing one would fail its whole batch.
 """
 
 from __future__ import annotations
@@ -28,12 +43,14 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
     GetJsonSchemaHandler,
     PrivateAttr,
+    StrictFloat,
     StrictInt,
     model_validator,
 )
@@ -43,11 +60,21 @@ from pydantic_core import CoreSchema
 from contract.tokens import decode_tokens, encode_tokens
 
 __all__ = [
+    "BASE64_PATTERN",
+    "DTYPE_NAMES",
+    "MAX_BLOCKS_PER_GROUP",
+    "MAX_GROUPS",
+    "MAX_ITEMS",
+    "MAX_LAYERS",
     "MAX_REGISTRATION_TOKEN_CHARS",
     "MAX_WORLD_SIZE",
     "MIN_REGISTRATION_TOKEN_CHARS",
+    "NAME_PATTERN",
     "NULL_BLOCK_ID",
     "REGISTRATION_TOKEN_HEADER",
+    "TEXT_PATTERN",
+    "TOKENS_B64_PATTERN",
+    "URLSAFE_PATTERN",
     "BindingStatus",
     "BlendChunk",
     "BlendMatchRequest",
@@ -100,6 +127,66 @@ BindingStatus = Literal["done", "pending", "failed", "disabled"]
 MAX_WORLD_SIZE = 4096
 """Most ranks one server serves; bounds the work a lookup or registration can ask for."""
 
+MAX_ITEMS = 4096
+"""Most requests in one lookup, store or retrieve call (a vLLM step schedules fewer)."""
+MAX_GROUPS = 64
+"""Most KV cache groups one registration has (vLLM's hybrid models have a handful)."""
+MAX_LAYERS = 1024
+"""Most layers one registration has (the deepest models have a few hundred)."""
+MAX_BLOCKS_PER_GROUP = 1 << 20
+"""Most block ids per group in one transfer item (16M tokens of 16-token blocks)."""
+
+NAME_PATTERN = r"^[\x20-\x7e]*$"
+"""Printable ASCII: what a name the connector builds is made of."""
+TEXT_PATTERN = r"^[^\x00-\x1f\x7f]*$"
+"""Any text without control characters (so it cannot forge a log line)."""
+URLSAFE_PATTERN = r"^[A-Za-z0-9_-]*$"
+"""``secrets.token_urlsafe`` text: tickets, lookup areas."""
+BASE64_PATTERN = r"^[A-Za-z0-9+/]*={0,2}$"
+
+_B64 = "[A-Za-z0-9+/]"
+TOKENS_B64_PATTERN = (
+    f"^(?:{_B64}{{4}}[A-Za-f]{_B64}{{4}}[A-HQ-Xg-nw-z0-3]{_B64}{{4}}"
+    f"[ABEFIJMNQRUVYZcdghklopstwx014589]{_B64})*"
+    f"(?:{_B64}{{4}}[A-Za-f]{_B64}==|{_B64}{{4}}[A-Za-f]{_B64}{{4}}[A-HQ-Xg-nw-z0-3]{_B64}=)?$"
+)
+"""Base64 of little-endian int32 ids in ``[0, 2**31)``: what ``decode_tokens`` takes.
+Sixteen characters hold three ids; the characters that carry an id's sign bit (the
+top bit of its fourth byte: the 5th, 10th and 15th of the sixteen) are limited to
+those whose bit is clear; the tail holds one id (``==``) or two (``=``)."""
+
+DTYPE_NAMES = (
+    "float32",
+    "float",
+    "float16",
+    "half",
+    "bfloat16",
+    "float64",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)
+"""Tensor dtype names a descriptor may use, each also with a ``torch.`` prefix
+(``contract.dtypes`` maps each to its torch dtype)."""
+_DTYPE_CHOICES = (*DTYPE_NAMES, *(f"torch.{name}" for name in DTYPE_NAMES))
+
+
+def _known_dtype(name: str) -> str:
+    if name not in _DTYPE_CHOICES:
+        raise ValueError(f"unknown dtype; use one of {', '.join(DTYPE_NAMES)}")
+    return name
+
+
+DTypeName = Annotated[
+    str,
+    AfterValidator(_known_dtype),
+    Field(json_schema_extra={"enum": list(_DTYPE_CHOICES)}),
+]
+
 
 def _integral(value: Any) -> Any:
     """JSON Schema counts ``3.0`` as an integer, so the server takes it as 3; strings,
@@ -121,7 +208,10 @@ _UNIT_TOKENS = (
     "the chunk size, and every registered group's span must divide it. Omitted: whole "
     "chunks only."
 )
+Seconds = Annotated[StrictFloat, Field(gt=0, le=3600)]
+"""A number of seconds (an integer is one too; strings and booleans are refused)."""
 BlockId = Annotated[StrictInt, Field(ge=0, lt=2**62), _INTEGRAL]
+BlockIds = Annotated[list[BlockId], Field(max_length=MAX_BLOCKS_PER_GROUP, fail_fast=True)]
 WorldSize = Annotated[StrictInt, Field(ge=1, le=MAX_WORLD_SIZE), _INTEGRAL]
 Stride = Annotated[StrictInt, Field(ge=0, lt=2**48), _INTEGRAL]
 ByteOffset = Annotated[StrictInt, Field(ge=0, lt=2**52), _INTEGRAL]
@@ -214,11 +304,16 @@ class NegotiateRequest(_Body):
     )
 
     required_alignment: PositiveInt = Field(
-        description="lcm of the token spans of every cacheable KV cache group."
+        description="lcm of the token spans of every cacheable KV cache group; at most "
+        "the server's --max-chunk-size (the schema a server serves says its own)."
     )
-    model: str = Field("", max_length=512, description="Model identity, for logs.")
+    model: str = Field(
+        "", max_length=512, pattern=TEXT_PATTERN, description="Model identity, for logs."
+    )
     role: Literal["scheduler", "worker"] | None = Field(None, description="Caller role.")
-    instance_id: str = Field("", max_length=256, description="Caller identity, for logs.")
+    instance_id: str = Field(
+        "", max_length=256, pattern=TEXT_PATTERN, description="Caller identity, for logs."
+    )
 
 
 class NegotiateResponse(_Reply):
@@ -399,42 +494,60 @@ class GroupInfo(_Body):
     token_span: PositiveInt = Field(description="Tokens covered by one block of the group.")
 
 
+def _transport_required(schema: dict[str, Any]) -> None:
+    """A tensor's ``transport`` picks its kind (``TensorDescriptor``), so a body must
+    carry it: the schema says required, though Python code may leave it out."""
+    schema["properties"]["transport"].pop("default", None)
+    schema["required"] = ["transport", *schema.get("required", [])]
+
+
 class MemfdTensor(_Body):
     """A CPU tensor inside sealed memory the worker passed over the registration
     socket (``contract.fdpass``), named by the one-time ticket the handshake returned.
     Zero copy: the server maps the very pages vLLM uses."""
 
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=_transport_required)
+
     transport: Literal["memfd"] = "memfd"
     ticket: str = Field(
         min_length=1,
         max_length=128,
+        pattern=URLSAFE_PATTERN,
         description="One-time ticket the registration socket returned for the memfd "
         "holding this tensor (docs/design.md s.5.3). All tickets of one registration "
         "come from one socket connection.",
     )
     offset_bytes: ByteOffset = Field(description="Byte offset of element 0.")
-    shape: list[PositiveInt] = Field(min_length=1, max_length=8)
-    stride: list[Stride] = Field(description="Strides in elements.")
-    dtype: str = Field(description="torch dtype name, e.g. 'bfloat16'.")
+    shape: list[PositiveInt] = Field(fail_fast=True, min_length=1, max_length=8)
+    stride: list[Stride] = Field(fail_fast=True, max_length=8, description="Strides in elements.")
+    dtype: DTypeName = Field(description="torch dtype name, e.g. 'bfloat16'.")
     block_dim: NonNegativeInt = Field(description="Dimension that indexes blocks.")
 
 
 class CudaIpcTensor(_Body):
     """A GPU tensor shared by CUDA IPC (see dataplane's CUDA IPC note)."""
 
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=_transport_required)
+
     transport: Literal["cuda_ipc"] = "cuda_ipc"
-    device_uuid: str = Field(description="GPU UUID (not its ordinal).")
-    handle_b64: str = Field(description="cudaIpcMemHandle of the storage, base64.")
+    device_uuid: str = Field(
+        min_length=1, max_length=64, pattern=NAME_PATTERN, description="GPU UUID (not its ordinal)."
+    )
+    handle_b64: str = Field(
+        max_length=1024,
+        pattern=BASE64_PATTERN,
+        description="cudaIpcMemHandle of the storage, base64.",
+    )
     storage_size_bytes: PositiveInt
     storage_offset_bytes: NonNegativeInt
-    ref_counter_handle_b64: str
+    ref_counter_handle_b64: str = Field(max_length=1024, pattern=BASE64_PATTERN)
     ref_counter_offset: NonNegativeInt
-    event_handle_b64: str
+    event_handle_b64: str = Field(max_length=1024, pattern=BASE64_PATTERN)
     event_sync_required: bool
     tensor_offset: NonNegativeInt = Field(description="Tensor offset, in elements.")
-    shape: list[PositiveInt] = Field(min_length=1, max_length=8)
-    stride: list[Stride]
-    dtype: str
+    shape: list[PositiveInt] = Field(fail_fast=True, min_length=1, max_length=8)
+    stride: list[Stride] = Field(fail_fast=True, max_length=8)
+    dtype: DTypeName
     block_dim: NonNegativeInt
 
 
@@ -442,9 +555,9 @@ TensorDescriptor = Annotated[MemfdTensor | CudaIpcTensor, Field(discriminator="t
 
 
 class LayerInfo(_Body):
-    name: str = Field(min_length=1, max_length=256)
+    name: str = Field(min_length=1, max_length=256, pattern=NAME_PATTERN)
     group_id: NonNegativeInt
-    tensors: list[TensorDescriptor] = Field(min_length=1, max_length=4)
+    tensors: list[TensorDescriptor] = Field(fail_fast=True, min_length=1, max_length=4)
 
 
 class RegisterRequest(_Body):
@@ -480,13 +593,13 @@ class RegisterRequest(_Body):
         }
     )
 
-    instance_id: str = Field(min_length=1, max_length=256)
+    instance_id: str = Field(min_length=1, max_length=256, pattern=TEXT_PATTERN)
     rank: NonNegativeInt
     world_size: WorldSize = 1
     chunk_size: PositiveInt = Field(description="The worker's negotiated chunk size.")
-    namespace: str = Field(min_length=1, max_length=512)
-    groups: list[GroupInfo] = Field(min_length=1)
-    layers: list[LayerInfo] = Field(min_length=1)
+    namespace: str = Field(min_length=1, max_length=512, pattern=NAME_PATTERN)
+    groups: list[GroupInfo] = Field(fail_fast=True, min_length=1, max_length=MAX_GROUPS)
+    layers: list[LayerInfo] = Field(fail_fast=True, min_length=1, max_length=MAX_LAYERS)
 
 
 class RegisterResponse(_Reply):
@@ -570,8 +683,8 @@ class RegistrationInfo(_Reply):
 class TokenSpan(_Body):
     """Token ids, as a JSON list or as base64 of little-endian int32 (compact)."""
 
-    tokens: list[TokenId] | None = None
-    tokens_b64: str | None = None
+    tokens: list[TokenId] | None = Field(None, fail_fast=True)
+    tokens_b64: str | None = Field(None, json_schema_extra={"pattern": TOKENS_B64_PATTERN})
     _decoded: np.ndarray | None = PrivateAttr(None)
     """The token ids, already decoded: set (with both fields then None) by the
     server's body decoder, which parses large bodies in a helper process and hands
@@ -625,7 +738,7 @@ class LookupTarget(_Body):
     """What a lookup item names besides its tokens (both the JSON and binary forms)."""
 
     request_id: str = Field(min_length=1, max_length=256)
-    namespace: str = Field(min_length=1, max_length=512)
+    namespace: str = Field(min_length=1, max_length=512, pattern=NAME_PATTERN)
     cache_salt: str | None = Field(None, max_length=256)
     world_size: WorldSize = Field(1, description="A chunk hits only if every rank has it.")
     unit_tokens: UnitTokens | None = Field(None, description=_UNIT_TOKENS)
@@ -654,7 +767,7 @@ class LookupRequest(_Body):
         }
     )
 
-    requests: list[LookupItem] = Field(max_length=4096)
+    requests: list[LookupItem] = Field(fail_fast=True, max_length=MAX_ITEMS)
 
 
 class LookupFrameItem(LookupTarget):
@@ -683,10 +796,11 @@ class LookupFrameHeader(_Body):
         }
     )
 
-    requests: list[LookupFrameItem] = Field(max_length=4096)
+    requests: list[LookupFrameItem] = Field(fail_fast=True, max_length=MAX_ITEMS)
     area: str | None = Field(
         default=None,
         max_length=64,
+        pattern=URLSAFE_PATTERN,
         description="A lookup area of this connection's client (`POST "
         "/cache/lookup-areas`) that holds the items' token ids, item after item from "
         "byte 0, as the token section would; the body then carries, instead of the "
@@ -704,6 +818,7 @@ class LookupAreaRequest(_Body):
     ticket: str = Field(
         min_length=1,
         max_length=128,
+        pattern=URLSAFE_PATTERN,
         description="The ticket the registration socket (`GET /register`) gave for the "
         "memfd, sealed against shrinking and growing.",
     )
@@ -740,13 +855,15 @@ class TransferItem(TokenSpan):
     """One request's chunks to store or retrieve, by token range and block ids."""
 
     request_id: str = Field(min_length=1, max_length=256)
-    namespace: str = Field(min_length=1, max_length=512)
+    namespace: str = Field(min_length=1, max_length=512, pattern=NAME_PATTERN)
     cache_salt: str | None = Field(None, max_length=256)
     start_token: NonNegativeInt = Field(description="First token; a chunk boundary.")
     end_token: NonNegativeInt = Field(
         description="End (exclusive): whole chunks, then whole units (`unit_tokens`)."
     )
-    block_ids: list[list[BlockId]] = Field(description="Per group, the request's blocks.")
+    block_ids: list[BlockIds] = Field(
+        max_length=MAX_GROUPS, fail_fast=True, description="Per group, the request's blocks."
+    )
     unit_tokens: UnitTokens | None = Field(None, description=_UNIT_TOKENS)
 
 
@@ -782,13 +899,11 @@ class _TransferBatch(_Body):
         }
     )
 
-    instance_id: str = Field(min_length=1, max_length=256)
+    instance_id: str = Field(min_length=1, max_length=256, pattern=TEXT_PATTERN)
     rank: NonNegativeInt
-    requests: list[TransferItem] = Field(max_length=4096)
-    timeout_s: float | None = Field(
+    requests: list[TransferItem] = Field(fail_fast=True, max_length=MAX_ITEMS)
+    timeout_s: Seconds | None = Field(
         None,
-        gt=0,
-        le=3600,
         description=(
             "How long the client waits for this reply. The server counts it from when it "
             "received the request and, once it has passed, commits no further chunk and "
@@ -863,7 +978,9 @@ CacheOpResult = LookupResult | StoreResult | RetrieveResult
 class EndSessionsRequest(_Body):
     model_config = ConfigDict(json_schema_extra={"examples": [{"request_ids": ["req-7", "req-8"]}]})
 
-    request_ids: list[str] = Field(max_length=65536)
+    request_ids: list[Annotated[str, Field(max_length=256)]] = Field(
+        max_length=65536, fail_fast=True
+    )
 
 
 class EndSessionsResponse(_Reply):
@@ -885,7 +1002,7 @@ class BlendMatchRequest(TokenSpan):
         }
     )
 
-    namespace: str = Field(min_length=1, max_length=512)
+    namespace: str = Field(min_length=1, max_length=512, pattern=NAME_PATTERN)
     cache_salt: str | None = Field(None, max_length=256)
 
 

@@ -37,6 +37,7 @@ from contract.fdpass import (
     seals_of,
 )
 from dataplane import libc
+from dataplane.repeats import RepeatedWarning
 
 __all__ = [
     "FdGate",
@@ -52,6 +53,11 @@ logger = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT_S = 5.0
 """How long shutdown waits for the socket thread."""
+
+ACCEPT_PAUSE_S = 0.5
+"""How long the gate stops accepting after ``accept`` failed for want of a resource
+(descriptors, memory): the pending connection stays in the backlog, and the thread
+neither spins nor logs in a loop (asyncio's own servers pause a second)."""
 
 _TMPFS_MAGIC = 0x01021994  # <linux/magic.h>: shmem, which backs every memfd but hugetlb
 _SOCKET_NAME = "register.sock"
@@ -302,6 +308,8 @@ class FdGate:
             raise
         self._thread = threading.Thread(target=self._run, name="mpcache-fdgate", daemon=True)
         self._stopping = False
+        self._accept_paused_until: float | None = None
+        self._warn = RepeatedWarning(logger)
 
     def _bind(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -384,7 +392,13 @@ class FdGate:
 
     def _run(self) -> None:
         while not self._stopping:
-            for key, _ in self._selector.select():
+            timeout = None
+            if self._accept_paused_until is not None:
+                timeout = self._accept_paused_until - time.monotonic()
+                if timeout <= 0:
+                    self._accept_paused_until, timeout = None, None
+                    self._selector.register(self._listener, selectors.EVENT_READ, None)
+            for key, _ in self._selector.select(timeout):
                 sock = key.fileobj
                 if sock is self._wake_r:
                     continue
@@ -406,12 +420,20 @@ class FdGate:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
-            logger.warning("registration socket: accept failed: %s", exc)
+            self._warn.warn(
+                "accept",
+                "registration socket: accept failed: %s; accepting again in %g s",
+                exc,
+                ACCEPT_PAUSE_S,
+            )
+            self._selector.unregister(self._listener)
+            self._accept_paused_until = time.monotonic() + ACCEPT_PAUSE_S
             return
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         pid, uid, _gid = struct.unpack("3i", creds)
         if uid not in (self._uid, 0):
-            logger.warning(
+            self._warn.warn(
+                "uid",
                 "registration socket: refused pid %d of uid %d (this server runs as uid %d)",
                 pid,
                 uid,
@@ -428,7 +450,8 @@ class FdGate:
                 self._next_conn += 1
                 self._conns[conn_id] = _Conn(sock, Peer(conn_id, pid, uid))
         if full:
-            logger.warning(
+            self._warn.warn(
+                "full",
                 "registration socket: %d connections open; refused pid %d",
                 self._max_connections,
                 pid,
@@ -489,8 +512,11 @@ class FdGate:
                     memory.close()
                 raise
         except GateError as exc:
-            logger.warning(
-                "registration socket: refused a handshake from pid %d: %s", conn.peer.pid, exc
+            self._warn.warn(
+                "handshake",
+                "registration socket: refused a handshake from pid %d: %s",
+                conn.peer.pid,
+                exc,
             )
             return encode_reply(error=str(exc))
         tickets = [secrets.token_urlsafe(24) for _ in mapped]

@@ -95,9 +95,15 @@ def wait_healthy(
 
 @contextlib.contextmanager
 def server_process(
-    *args: str, port: int | None = None, env: dict[str, str] | None = None, uvicorn: bool = False
+    *args: str,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
+    uvicorn: bool = False,
+    open_files: int | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Run a real server process on 127.0.0.1; yield (base_url, process)."""
+    """Run a real server process on 127.0.0.1; yield (base_url, process).
+
+    ``open_files``: the process's soft and hard limit on open descriptors."""
     port = port or free_port()
     full_env = {**os.environ, **(env or {})}
     if uvicorn:
@@ -106,8 +112,20 @@ def server_process(
     else:
         cmd = [sys.executable, "-m", "app", "server", "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--log-level", "warning", *args]
+
+    def limit_open_files() -> None:
+        import resource
+
+        if open_files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        cmd,
+        cwd=ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=limit_open_files if open_files is not None else None,
     )
     url = f"http://127.0.0.1:{port}"
     try:

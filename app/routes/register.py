@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
+from starlette.concurrency import run_in_threadpool
 
+from app.bodies import read_json
 from app.deps import RegistrationTokenDep, RuntimeDep
 from app.routes.declare import declare
 from contract import endpoints
@@ -25,10 +27,13 @@ async def registration_info(runtime: RuntimeDep) -> RegistrationInfo:
 
 
 @declare(router, endpoints.REGISTER)
-def register(
-    body: RegisterRequest, runtime: RuntimeDep, token: RegistrationTokenDep = None
+async def register(
+    request: Request, runtime: RuntimeDep, token: RegistrationTokenDep = None
 ) -> RegisterResponse:
-    return runtime.cache.register(body, token=token)
+    # A registration body can be megabytes (one descriptor per layer): decoded off
+    # the event loop like every large body (app.bodies), registered in the thread pool.
+    body = await read_json(request, RegisterRequest)
+    return await run_in_threadpool(lambda: runtime.cache.register(body, token=token))
 
 
 @declare(router, endpoints.UNREGISTER)

@@ -46,7 +46,7 @@ def test_request_and_cache_op_histograms(client: TestClient) -> None:
     ) in text
     # Route templates, never raw paths: the label set stays bounded.
     assert 'route="/register/{instance_id:path}/{rank}",status="404"' in text
-    assert 'route="unmatched",status="404"' in text
+    assert 'route="other",status="404"' in text
     assert "some%2Finstance" not in text and "/no/such/path" not in text
 
 

@@ -133,3 +133,24 @@ def test_keys_for_many_stops_at_a_request_that_does_not_fit(
     # The requests before it have their sessions; a retry of those is served.
     assert manager.live_count() == 2
     assert len(manager.keys_for("r1", "ns", None, tokens, chunk_size=4)[1]) == 2
+
+
+@pytest.mark.parametrize(
+    ("request_id", "salt"),
+    [
+        pytest.param("r" * 256, None, id="ascii-id"),
+        pytest.param("\U0001f600" * 256, "\U0001f600" * 256, id="widest-id-and-salt"),
+    ],
+)
+def test_a_session_is_charged_for_its_strings(request_id: str, salt: str | None) -> None:
+    """Was: 512 bytes for any empty session, though its strings alone cost up to 3 KB."""
+    import sys
+
+    from app.sessions import SESSION_OVERHEAD_BYTES, text_bytes
+
+    manager = SessionManager(TokenHasher(), 600, max_bytes=1 << 20)
+    session, _ = manager.keys_for(request_id, "n" * 512, salt, np.empty(0, "<i4"), chunk_size=16)
+    strings = sys.getsizeof(request_id) + sys.getsizeof("n" * 512)
+    strings += 0 if salt is None else sys.getsizeof(salt)
+    assert session.charged_bytes == SESSION_OVERHEAD_BYTES + text_bytes(request_id, "n" * 512, salt)
+    assert session.charged_bytes >= SESSION_OVERHEAD_BYTES + strings

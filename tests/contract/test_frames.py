@@ -9,7 +9,12 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from contract.frames import LOOKUP_FRAME_MAGIC, decode_lookup_frame, encode_lookup_frame
+from contract.frames import (
+    LOOKUP_FRAME_MAGIC,
+    LookupFrameReader,
+    decode_lookup_frame,
+    encode_lookup_frame,
+)
 from contract.schemas import LookupFrameHeader, LookupFrameItem
 from contract.tokens import TokenEncoder, pack_tokens
 
@@ -253,3 +258,19 @@ def test_a_frame_of_marks_refuses_what_does_not_add_up() -> None:
         list(lookup_frame_marks(_header(2, 1), blobs, area.write))
     with pytest.raises(ValueError, match="fewer token blobs"):
         list(lookup_frame_marks(_area_header(2, 1), blobs[:1], area.write))
+
+
+def test_a_long_header_is_left_to_the_caller() -> None:
+    """``inline_header_bytes``: the reader hands the header's JSON out (a server
+    parses it off its event loop) and goes on once given it back parsed."""
+    header = _header(3, 2)
+    packed = [pack_tokens([1, 2, 3]), pack_tokens([4, 5])]
+    frame = encode_lookup_frame(header, packed)
+    reader = LookupFrameReader(inline_header_bytes=16)
+    assert reader.feed(frame[:-4]) == []
+    assert reader.raw_header is not None
+    assert reader.feed(frame[-4:]) == []  # buffered until the header is given back
+    items = reader.set_header(LookupFrameHeader.model_validate_json(reader.raw_header))
+    assert [list(tokens) for _, tokens in items] == [[1, 2, 3], [4, 5]]
+    assert reader.raw_header is None
+    reader.close()

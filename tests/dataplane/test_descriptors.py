@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from contract.errors import InvalidDescriptor
 from contract.schemas import MemfdTensor
@@ -34,7 +35,6 @@ def test_geometry_end_bytes() -> None:
 @pytest.mark.parametrize(
     ("overrides", "reason"),
     [
-        pytest.param({"dtype": "complex32"}, "unknown-dtype", id="dtype"),
         pytest.param({"stride": [1]}, "bad-geometry", id="stride-rank"),
         pytest.param({"block_dim": 4}, "bad-geometry", id="block-dim"),
         pytest.param({"stride": [640, 0, 4, 1]}, "bad-geometry", id="zero-stride"),
@@ -47,6 +47,14 @@ def test_geometry_refusals(overrides: dict[str, Any], reason: str) -> None:
         tensor_geometry(desc(**overrides), "layer 'x' tensor 0")
     assert info.value.extras["reason"] == reason
     assert info.value.detail.startswith("layer 'x' tensor 0")
+
+
+def test_an_unknown_dtype_is_refused_by_the_schema_and_by_parse_dtype() -> None:
+    with pytest.raises(ValidationError, match="unknown dtype"):
+        desc(dtype="complex32")
+    with pytest.raises(InvalidDescriptor) as info:
+        parse_dtype("complex32", "layer 'x' tensor 0")
+    assert info.value.extras["reason"] == "unknown-dtype"
 
 
 @pytest.mark.parametrize("name", ["torch.float16", "float16", "bfloat16", "float8_e4m3fn"])

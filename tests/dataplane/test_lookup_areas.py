@@ -155,7 +155,7 @@ def test_ids_past_the_area_or_a_bad_area_are_refused(
     os.ftruncate(loose, 4096)  # not sealed: the client could shrink it under the server
     with pytest.raises(ValueError, match="not sealed against shrinking"):
         client.worker.tickets([loose])  # refused at the socket, before any ticket
-    reply = client.post("/cache/lookup-areas", json={"ticket": "fd:used-or-unknown"})
+    reply = client.post("/cache/lookup-areas", json={"ticket": "used-or-unknown"})
     assert reply.status_code == 422 and "unknown or already used" in reply.json()["detail"]
 
 
