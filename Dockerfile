@@ -29,13 +29,13 @@ COPY connector ./connector
 RUN pip install --no-deps . && rm -rf build
 
 # 3. The streaming block kernel (dataplane/blockcopy.py) and the chunk-key loop
-#    (app/keychain.py), built now with a compiler
+#    (contract/keychain.py), built now with a compiler
 #    that does not stay in the image; the server loads it from XDG_CACHE_HOME.
 ENV XDG_CACHE_HOME=/opt/mpcache/cache
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
  && python -c "from dataplane import blockcopy; print(blockcopy.load().path)" \
- && python -c "from app import keychain; print(keychain.load().path)" \
+ && python -c "from contract import keychain; print(keychain.load().path)" \
  && chmod -R a+rX /opt/mpcache \
  && apt-get purge -y --auto-remove gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-from app.keychain import KeyChain
 from contract import chunk_keys
 from contract.chunk_keys import KEY_BYTES
+from contract.keychain import KeyChain
 from contract.tokens import TOKEN_DTYPE
 
 __all__ = ["KEY_BYTES", "TokenHasher"]
@@ -39,7 +39,7 @@ class TokenHasher:
     ``seed``: the secret key of H (a 64-bit integer); by default a fresh random one,
     so keys are the same for the life of this hasher, in any thread, and unrelated
     across server processes. Equal seeds give equal keys in every process.
-    ``chain``: the C loop for prefix keys (``app.keychain``, checked at its load to
+    ``chain``: the C loop for prefix keys (``contract.keychain``, checked at its load to
     give the Python loop's keys byte for byte, without the interpreter's work per
     chunk); without it the keys are hashed in Python.
 
@@ -76,7 +76,7 @@ class TokenHasher:
     """
 
     def __init__(self, seed: int | None = None, *, chain: KeyChain | None = None) -> None:
-        self._chain = chain  # the C loop (``app.keychain``), or None: the Python one
+        self._chain = chain  # the C loop (``contract.keychain``), or None: the Python one
         self._key = secrets.randbits(64) if seed is None else seed
         # Seeds by (kind, namespace, salt, chunk size): one per tenant and model,
         # hashed once (dict operations are atomic: threads may share it).

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from app import keychain
 from app.bindings import Binding, BindingPipeline
 from app.blend import BlendMatcher
 from app.bodies import BodyParser
@@ -37,7 +36,7 @@ from app.service import CacheService
 from app.sessions import SessionManager
 from app.settings import Settings
 from app.telemetry import Telemetry
-from contract import __version__
+from contract import __version__, keychain
 from contract.kernels import KernelUnavailable
 from contract.schemas import ClusterHealth, ClusterMember, ClusterResponse
 from contract.shm_naming import segment_name
@@ -192,7 +191,7 @@ def _block_kernel(wanted: bool) -> tuple[blockcopy.BlockCopier | None, str]:
 
 
 def _key_chain() -> tuple[keychain.KeyChain | None, str]:
-    """The C loop for chunk keys (``app.keychain``) and a note for the log."""
+    """The C loop for chunk keys (``contract.keychain``) and a note for the log."""
     return _kernel(keychain.load, "chunk keys by the C loop", "chunk keys in Python")
 
 

@@ -7,7 +7,7 @@ round, so machine noise hits them alike; it prints the median and the min-max sp
 of ``--rounds`` rounds in microseconds per prompt and in GB/s of token bytes, with
 the machine load. Packages that are not installed (``xxhash``, ``blake3``) are
 reported as missing, not measured. "xxh3-128, C loop" is the chain the server runs
-(``app/keychain.py``: the same XXH3 calls without the interpreter's work per chunk),
+(``contract/keychain.py``: the same XXH3 calls without the interpreter's work per chunk),
 checked to give the Python loop's keys first.
 
     .venv/bin/python bench/hash_bench.py [--tokens 32768] [--rounds 7]
@@ -28,8 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app import keychain
 from bench.common import MIN_ROUNDS, Rounds, load_line, results, spread
+from contract import keychain
 
 CHUNK_TOKENS = 256
 KEY = 16

@@ -15,12 +15,25 @@ from __future__ import annotations
 import mmap
 import os
 
+import numpy as np
+
 from connector.client import ControlClient
 from contract import chunk_keys
+from contract.kernels import KernelUnavailable
 from contract.key_index import MAX_RANKS, IndexView
+from contract.keychain import KeyChain, load
 from contract.shm_naming import INDEX_PREFIX, SHM_DIR
 
 __all__ = ["KeyIndexReader"]
+
+
+def _chain() -> KeyChain | None:
+    """The C loop for chunk keys (``contract.keychain``); None: hash in Python."""
+    try:
+        return load()
+    except KernelUnavailable:
+        return None
+
 
 _SEEDS_KEPT = 1024
 
@@ -29,9 +42,16 @@ class KeyIndexReader:
     """One server's key index for one namespace and chunk size (use ``open``)."""
 
     def __init__(
-        self, mapping: mmap.mmap, *, namespace: str, chunk_size: int, world_size: int
+        self,
+        mapping: mmap.mmap,
+        *,
+        namespace: str,
+        chunk_size: int,
+        world_size: int,
+        chain: KeyChain | None = None,
     ) -> None:
         self._mapping = mapping
+        self._chain = chain  # the C loop for chunk keys, or None: the Python one
         self._memory = memoryview(mapping)
         self._view = IndexView(self._memory)
         self.boot_id = self._view.header.boot_id
@@ -65,7 +85,13 @@ class KeyIndexReader:
         finally:
             os.close(fd)
         try:
-            reader = cls(mapping, namespace=namespace, chunk_size=chunk_size, world_size=world_size)
+            reader = cls(
+                mapping,
+                namespace=namespace,
+                chunk_size=chunk_size,
+                world_size=world_size,
+                chain=_chain(),
+            )
             if reader.boot_id != info.boot_id or (boot_id is not None and boot_id != info.boot_id):
                 raise ValueError("the key index belongs to another server process")
         except BaseException:
@@ -86,7 +112,12 @@ class KeyIndexReader:
         size, view = self._chunk_size, self._view
         raw = memoryview(packed)
         prev = self._seed(cache_salt)
-        keys = chunk_keys.chain_keys(self._secret, prev, raw, size * 4, 0, num_tokens // size)
+        chunks = num_tokens // size
+        if self._chain is not None:
+            ids = np.frombuffer(packed, dtype="<i4", count=num_tokens)
+            keys = self._chain.keys(prev, ids, size * 4, 0, chunks, self._secret)
+        else:
+            keys = chunk_keys.chain_keys(self._secret, prev, raw, size * 4, 0, chunks)
         hits = view.leading(keys, self._world_size)
         tokens = hits * size
         if unit is None or unit >= size:
@@ -118,5 +149,6 @@ class KeyIndexReader:
 
     def close(self) -> None:
         """Unmap the index (on the thread that probes it: a probe after this raises)."""
+        self._view.release()
         self._memory.release()
         self._mapping.close()

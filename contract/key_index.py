@@ -28,6 +28,8 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 __all__ = [
     "FLAG_AUTHORITATIVE",
     "HEADER",
@@ -87,6 +89,13 @@ class IndexView:
         self.header = IndexHeader.read(buf)
         self._buf = buf
         self._mask = self.header.slots - 1
+        self._words: np.ndarray | None = np.frombuffer(
+            buf, dtype="<u8", count=self.header.slots * SLOT_BYTES // 8, offset=HEADER_BYTES
+        ).reshape(-1, SLOT_BYTES // 8)
+
+    def release(self) -> None:
+        """Drop the views into ``buf`` (before its mapping is closed)."""
+        self._words = None
 
     @property
     def authoritative(self) -> bool:
@@ -112,10 +121,31 @@ class IndexView:
         return False
 
     def leading(self, keys: Sequence[bytes], world_size: int) -> int:
-        """How many of ``keys``, in order, every rank in ``range(world_size)`` holds."""
+        """How many of ``keys``, in order, every rank in ``range(world_size)`` holds.
+
+        Every key's home slot is read at once (numpy); a key not settled there (it
+        probed on past a collision, or its slot was being written) is asked alone."""
         ranks = (1 << world_size) - 1
-        for count, key in enumerate(keys):
-            if not self.holds(key, ranks):
+        words = self._words
+        if words is None or len(keys) < 8:
+            return self._leading_from(keys, 0, ranks)
+        wanted = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2)
+        home = wanted[:, 0] & np.uint64(self._mask)
+        slots = words[home]
+        settled = (slots[:, 0] & np.uint64(1) == 0) & (words[home, 0] == slots[:, 0])
+        found = settled & (slots[:, 2] == wanted[:, 0]) & (slots[:, 3] == wanted[:, 1])
+        held = found & (slots[:, 1] & np.uint64(ranks) == np.uint64(ranks))
+        misses = np.flatnonzero(~held)
+        if not len(misses):
+            return len(keys)
+        first = int(misses[0])
+        if found[first] or (settled[first] and not slots[first, 1] and not slots[first, 0]):
+            return first  # its own slot says no, or an empty home slot: not held
+        return self._leading_from(keys, first, ranks)
+
+    def _leading_from(self, keys: Sequence[bytes], start: int, ranks: int) -> int:
+        for count in range(start, len(keys)):
+            if not self.holds(keys[count], ranks):
                 return count
         return len(keys)
 

@@ -18,10 +18,11 @@ from connector.key_index import KeyIndexReader
 from connector.metadata import StepPlan, TransferOp
 from connector.scheduler import SchedulerAdapter
 from connector.worker import WorkerAdapter
+from contract import keychain
 from contract.tokens import encode_tokens
 from dataplane.key_index import KeyIndex
 from tests.connector.fakes import AttnSpec, FakeRequest, Group, ask
-from tests.support import free_port, server_process, wait_until
+from tests.support import free_port, require_kernel, server_process, wait_until
 
 BS = 16
 CHUNK = 64
@@ -143,8 +144,9 @@ def test_a_restarted_server_is_answered_from_its_new_index() -> None:
         sched.shutdown()
 
 
-def test_the_reader_derives_the_servers_keys() -> None:
-    """The connector's keys (contract.chunk_keys) are the server's (app.hashing)."""
+@pytest.mark.parametrize("kernel", [pytest.param(False, id="python"), pytest.param(True, id="c")])
+def test_the_reader_derives_the_servers_keys(kernel: bool) -> None:
+    """The connector's keys (contract.chunk_keys, or the C loop) are the server's."""
     hasher = TokenHasher(seed=987654321)
     index = KeyIndex.create(1024, secret=hasher.secret, boot_id="ab" * 16, authoritative=True)
     try:
@@ -156,7 +158,8 @@ def test_the_reader_derives_the_servers_keys() -> None:
         index.set(units[1], 0, True)  # two units of chunk 2
         mapping = mmap.mmap(-1, index.segment.size_bytes)
         mapping[:] = index.segment.buffer[:]
-        reader = KeyIndexReader(mapping, namespace=NS, chunk_size=CHUNK, world_size=1)
+        chain = require_kernel(keychain.load, "key chain kernel") if kernel else None
+        reader = KeyIndexReader(mapping, namespace=NS, chunk_size=CHUNK, world_size=1, chain=chain)
         packed = tokens.tobytes()
         assert reader.hit_tokens(packed, len(tokens), "salt", BS) == 2 * CHUNK + 2 * BS
         assert reader.hit_tokens(packed, len(tokens), "salt", None) == 2 * CHUNK

@@ -151,3 +151,18 @@ def test_the_pool_keeps_the_index_in_step(index: KeyIndex) -> None:
         assert reader.holds(bytes([3]) * 16, 1)
     finally:
         pool.close()
+
+
+def test_leading_of_many_keys_reads_past_collisions(index: KeyIndex) -> None:
+    """Many keys are read at their home slots at once; one that probed past a
+    collision, or a missing one, is still answered right."""
+    # Four pairs share a home slot; key 13 is never set; the rest are all held.
+    keys = [bytes([i % 4]) + bytes(7) + secrets.token_bytes(8) for i in range(8)]
+    keys += [secrets.token_bytes(16) for _ in range(12)]
+    for n, key in enumerate(keys):
+        if n != 13:
+            index.set(key, 0, True)
+    reader = view(index)
+    assert reader.leading(keys, 1) == 13
+    assert reader.leading(keys[:13], 1) == 13
+    assert reader.leading(keys[:13], 2) == 0  # rank 1 holds none of them

@@ -1,4 +1,5 @@
-"""A lookup's chunk keys in one C call (``keychain.c``), for ``app.hashing``.
+"""A prompt's chunk keys in one C call (``keychain.c``): for the server's hasher
+(``app.hashing``) and the connector's key-index reader (``connector.key_index``).
 
 The prefix chain ``key_i = XXH3-128(key_{i-1} || chunk i)`` is most of the server's
 own work in a lookup: in Python each chunk costs a slice, a concatenation, a call
@@ -25,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
+from contract import chunk_keys
 from contract.kernels import KernelUnavailable, build
 
 __all__ = ["KernelUnavailable", "KeyChain", "load"]
@@ -55,12 +56,8 @@ class KeyChain:
 
 
 def _python_chain(first: bytes, raw: bytes, chunk_bytes: int, seed: int) -> list[bytes]:
-    """The same chain, as ``app.hashing`` computes it (the kernel's check)."""
-    keys, prev = [], first
-    for i in range(0, len(raw) - chunk_bytes + 1, chunk_bytes):
-        prev = xxhash.xxh3_128_digest(prev + raw[i : i + chunk_bytes], seed)
-        keys.append(prev)
-    return keys
+    """The same chain, as ``contract.chunk_keys`` defines it (the kernel's check)."""
+    return chunk_keys.chain_keys(seed, first, raw, chunk_bytes, 0, len(raw) // chunk_bytes)
 
 
 def load() -> KeyChain:

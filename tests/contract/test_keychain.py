@@ -1,4 +1,4 @@
-"""The C loop for chunk keys (app/keychain.py): the Python loop's keys, or the
+"""The C loop for chunk keys (contract/keychain.py): the Python loop's keys, or the
 Python loop itself.
 
 Keys decide which cached KV a request loads: the loop the server runs must give
@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app import keychain
 from app.hashing import TokenHasher
-from app.keychain import KeyChain
 from app.settings import Settings
 from app.state import build_runtime
+from contract import keychain
+from contract.keychain import KeyChain
 from tests.support import require_kernel
 
 SEED = 0x5EED_0F_C0FFEE
