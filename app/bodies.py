@@ -211,7 +211,11 @@ class BodyParser:
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
+            # Waits for a decode in flight (one body, bounded by --max-body-size): on
+            # CPython 3.11 an executor left running races the interpreter's exit hook,
+            # which then writes to a wake-up pipe its manager thread has just closed
+            # (EBADF, a traceback in the server's last lines).
+            executor.shutdown(wait=True, cancel_futures=True)
 
 
 def is_json(media_type: str) -> bool:
