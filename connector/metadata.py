@@ -70,13 +70,16 @@ class StepPlan:
 
     ``failed_loads`` are requests vLLM waits on (an accepted asynchronous load) whose
     load could not be planned: every worker reports them finished and failed, so
-    vLLM recomputes them instead of waiting for ever.
+    vLLM recomputes them instead of waiting for ever. ``preempted`` are requests
+    vLLM preempted this step (their blocks may be rewritten by its forward): every
+    worker revokes their stores not yet sent and waits for one being sent.
     """
 
     loads: tuple[TransferOp, ...] = ()
     stores: tuple[TransferOp, ...] = ()
     ended: tuple[str, ...] = field(default=())
     failed_loads: tuple[str, ...] = ()
+    preempted: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.stores or self.failed_loads)
+        return bool(self.loads or self.stores or self.failed_loads or self.preempted)

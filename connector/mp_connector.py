@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["MPCacheConnector", "MPCacheConnectorMetadata"]
@@ -192,6 +193,20 @@ class MPCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def restore_kv_caches(self) -> None:
         self._worker().reregister()
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Before the forward, in every vLLM that binds (not all call handle_preemptions).
+        self.handle_preemptions(connector_metadata)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        plan = kv_connector_metadata
+        if not isinstance(plan, MPCacheConnectorMetadata) or not plan.plan.preempted:
+            return
+        try:
+            self._worker().handle_preemptions(plan.plan)
+        except Exception as exc:
+            self._swallow("handle_preemptions", exc)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
         try:
@@ -200,7 +215,7 @@ class MPCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._swallow("start_load_kv", exc)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv
+        return  # a load's request waits in vLLM until its load is reported finished
 
     def save_kv_layer(
         self,
@@ -209,7 +224,7 @@ class MPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        return  # the server reads the shared blocks in wait_for_save, no per-layer copy
+        return  # the server reads the shared blocks after the forward, no per-layer copy
 
     def wait_for_save(self) -> None:
         plan = self._plan()
@@ -218,19 +233,28 @@ class MPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         except Exception as exc:
             self._swallow("wait_for_save", exc)
 
+    def _finished_stores(self, finished_req_ids: set[str]) -> set[str]:
+        try:
+            return self._worker().take_finished_stores(finished_req_ids)
+        except Exception as exc:  # never reached in practice: the ledger is plain sets
+            self._swallow("finished stores", exc)
+            return set()
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Finished loads, for callers of vLLM's older API (vLLM 0.33's model runner
-        calls ``get_transfer_results``). Block-level load failures still reach vLLM
-        through ``get_block_ids_with_load_errors``; request-level ones cannot be
-        told apart from successes here, so they stay queued for
-        ``get_transfer_results`` rather than be reported as loaded."""
-        return None, self._worker().take_finished_loads() or None
+        """(finished stores, finished loads), for callers of vLLM's older API (vLLM
+        0.33's model runner calls ``get_transfer_results``). Block-level load
+        failures still reach vLLM through ``get_block_ids_with_load_errors``;
+        request-level ones cannot be told apart from successes here, so they stay
+        queued for ``get_transfer_results`` rather than be reported as loaded."""
+        sending = self._finished_stores(finished_req_ids)
+        return sending or None, self._worker().take_finished_loads() or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         # vLLM's contract: failed receives appear in finished_recving too.
+        sending = self._finished_stores(finished_req_ids)
         finished, failed = self._worker().take_transfer_results()
         return KVConnectorTransferResults(
-            finished_sending=set(), finished_recving=finished, failed_recving=failed
+            finished_sending=sending, finished_recving=finished, failed_recving=failed
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -284,3 +308,9 @@ class MPCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().request_finished(request)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        try:
+            self._scheduler().transfers_finished(connector_output.finished_sending or ())
+        except Exception as exc:
+            self._swallow("update_connector_output", exc)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from connector import tokenpack
@@ -80,6 +80,8 @@ class SchedulerAdapter:
             close_links(self.links)
             raise
         self._ended: list[str] = []
+        # Requests a plan carried stores for, until vLLM frees their blocks.
+        self._storing: set[str] = set()
         self._failures = FailureLog(logger)
         self.heartbeat = Heartbeat.for_adapter(
             list(self.links.values()),
@@ -178,9 +180,10 @@ class SchedulerAdapter:
         self._planner.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
-        """This step's loads and stores (``connector.planning.StepPlanner``) and the
-        sessions to end; sends the lookups the step started and resets the per-step
-        state. Loads are always returned, whatever store planning met."""
+        """This step's loads and stores (``connector.planning.StepPlanner``), the
+        sessions to end and the preempted requests whose stores may be in flight;
+        sends the lookups the step started and resets the per-step state. Loads are
+        always returned, whatever store planning met."""
         self._lookups.send()
         loads, stores, failed_loads = self._planner.plan(scheduler_output, store=self.available)
         ended = tuple(self._ended)
@@ -190,28 +193,49 @@ class SchedulerAdapter:
                 self._send_end(ended)
             except Exception as exc:  # the server's sessions expire on their own
                 self._failures("end", "mpcache: ending sessions failed", exc=exc)
-        return StepPlan(
+        preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
+        plan = StepPlan(
             loads=tuple(loads),
             stores=tuple(stores),
             ended=ended,
             failed_loads=tuple(failed_loads),
+            preempted=tuple(rid for rid in preempted if rid in self._storing),
         )
+        # Only now, with the plan made: the workers see exactly these stores.
+        self._storing.update(op.request_id for op in plan.stores)
+        return plan
 
     # --------------------------------------------------------------- finishing
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; its server sessions end with the next step's plan.
+        """Forget the request; True when vLLM must keep its blocks for now.
 
-        Stores complete within the step that computed them, so vLLM may free the
-        blocks at once (never delays the free).
+        A request some plan carried stores for keeps its blocks until every worker
+        reports that no store reads them (``finished_sending``, then
+        ``transfers_finished``); its server sessions end after that. Any other
+        request's blocks are freed at once and its sessions end with the next plan.
         """
         request_id = request.request_id
         st = self._requests.pop(request_id, None)
         if st is not None:
             self._lookups.finished(st)
         self._planner.forget(request_id)
+        if request_id in self._storing:
+            return True, None
         self._ended.append(request_id)
         return False, None
+
+    def transfers_finished(self, finished_sending: Iterable[str]) -> None:
+        """vLLM freed these requests' blocks (their stores are done): end their
+        sessions now (off vLLM's thread), not with a next step that may never come."""
+        ended = [rid for rid in finished_sending if rid in self._storing]
+        if not ended:
+            return
+        self._storing.difference_update(ended)
+        try:
+            self._send_end(ended)
+        except Exception as exc:  # the server's sessions expire on their own
+            self._failures("end", "mpcache: ending sessions failed", exc=exc)
 
     def _send_end(self, request_ids: Sequence[str]) -> None:
         body = EndSessionsRequest(request_ids=list(request_ids))

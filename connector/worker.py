@@ -5,23 +5,27 @@ Runs in each vLLM worker process. At start it negotiates with its own server
 ``register_kv_caches`` shares the KV cache with that server
 (``connector.registration``).
 
-Each step makes at most one ``/cache/retrieve`` (``start_load_kv``) and one
-``/cache/store`` (``wait_for_save``) call, batching every request of the step.
-Loads follow vLLM's async-load protocol: every load is reported finished in the
-same step; a failed one is reported through ``take_load_errors`` (single-group
-layouts: the exact blocks) or ``take_transfer_results`` (multi-group layouts: the
-request) so vLLM recomputes it. While the server is unhealthy or the caches are not
+No step waits for the cache. Each step hands at most one ``/cache/retrieve``
+(``start_load_kv``) and one ``/cache/store`` (``wait_for_save``) call, batching
+every request of the step, to a lane of its own (``connector.lanes``) and returns.
+Loads follow vLLM's async-load protocol: a load is reported finished in the step
+its call returns, or a later one; a failed one is reported with it, through
+``take_load_errors`` (single-group layouts: the exact blocks) or
+``take_transfer_results`` (multi-group layouts: the request), so vLLM recomputes
+it. Stores follow vLLM's delayed free: a finished request's blocks stay vLLM's
+until ``take_finished_stores`` reports that no store reads them, and a preempted
+request's queued stores are revoked before vLLM rewrites its blocks
+(``handle_preemptions``). While the server is unhealthy or the caches are not
 registered, stores are skipped and loads are reported failed; nothing raises.
-If anything unexpected escapes a load (a CUDA error, a bad reply), every load of
-the step is reported failed before the error propagates, never finished with
-unwritten blocks. Every call that hands blocks to the server carries a budget
-shorter than its client's timeout (``server_budget_s``).
+Every call that hands blocks to the server carries a budget shorter than its
+client's timeout (``server_budget_s``), so every lane job ends.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +35,7 @@ from connector.client import AsyncControlClient, TransportFactory
 from connector.config import ConnectorConfig
 from connector.errors import ConnectorError, SegmentError, ServerError, StartupError
 from connector.heartbeat import AsyncTransportFactory, Heartbeat
+from connector.lanes import Job, Lane, LoadLedger, LoadOutcome, StoreLedger
 from connector.metadata import StepPlan, TransferOp
 from connector.registration import KVRegistration
 from connector.servers import (
@@ -46,7 +51,13 @@ from connector.servers import (
 from connector.shm import MemfdKVSegment
 from contract.schemas import NegotiateRequest, RegisterRequest, RetrieveRequest, StoreRequest
 
-__all__ = ["SERVER_BUDGET_FRACTION", "WorkerAdapter", "server_budget_s"]
+__all__ = [
+    "MAX_QUEUED_LOADS",
+    "MAX_QUEUED_STORES",
+    "SERVER_BUDGET_FRACTION",
+    "WorkerAdapter",
+    "server_budget_s",
+]
 
 logger = logging.getLogger("mpcache.connector")
 
@@ -54,6 +65,16 @@ SERVER_BUDGET_FRACTION = 0.75
 """Share of a store/retrieve call's client timeout the server may spend on it."""
 
 _MAX_SERVER_BUDGET_S = 3600.0  # the schema's bound on timeout_s
+
+MAX_QUEUED_STORES = 4
+"""Store calls that may wait behind the running one; a step beyond them is not stored."""
+
+MAX_QUEUED_LOADS = 1 << 16
+"""Loads are never dropped (vLLM waits for each): the bound only caps memory."""
+
+
+def _ids(ops: Iterable[TransferOp]) -> frozenset[str]:
+    return frozenset(op.request_id for op in ops)
 
 
 def server_budget_s(client_timeout_s: float) -> float:
@@ -134,9 +155,14 @@ class WorkerAdapter:
             num_blocks=num_blocks,
             timeout_s=config.request_timeout_s,
         )
-        self._finished_recving: set[str] = set()
-        self._failed_recving: set[str] = set()
-        self._load_errors: set[int] = set()
+        self._load_ledger = LoadLedger()
+        self._store_ledger = StoreLedger()
+        self._load_lane = Lane(f"mpcache-load-{rank}", max_queued=MAX_QUEUED_LOADS)
+        self._store_lane = Lane(f"mpcache-store-{rank}", max_queued=MAX_QUEUED_STORES)
+        # The longest a call can take: httpx bounds connect, write, pool and read apiece.
+        self._call_bound_s = 4 * config.request_timeout_s + 1.0
+        self.stores_wait = any(g.kind != "attention" for g in layout.cacheable_groups)
+        """Whether ``save`` waits for its call (see ``save``)."""
         self.heartbeat = Heartbeat.for_adapter(
             [self.link],
             config,
@@ -250,54 +276,78 @@ class WorkerAdapter:
     # ------------------------------------------------------------------- loads
 
     def start_load(self, plan: StepPlan) -> None:
-        """Load the step's chunks (one batched call); record results for vLLM.
+        """Hand the step's loads to the load lane (one batched call) and return.
 
-        Every load is reported finished this step. One that may have left blocks
-        unwritten is reported failed too, including when an unexpected error
-        escapes (it is re-raised after every load of the step is marked failed).
+        A load is reported finished (``take_transfer_results``) once its call has
+        returned, in this step or a later one; one that may have left blocks
+        unwritten is reported failed with it. Loads the scheduler could not plan,
+        and every load while the server is unavailable, fail at once. If anything
+        unexpected escapes before the job is queued, every load of the step is
+        reported failed before the error propagates.
         """
+        outcome = LoadOutcome()
         if plan.failed_loads:
             # Loads the scheduler accepted but could not plan: request-level failures.
-            self._finished_recving.update(plan.failed_loads)
-            self._failed_recving.update(plan.failed_loads)
+            outcome.finished.update(plan.failed_loads)
+            outcome.failed.update(plan.failed_loads)
         loads = plan.loads
-        if not loads:
-            return
-        self._finished_recving.update(op.request_id for op in loads)
         try:
-            self._load(loads)
+            if loads and not self._submit_loads(loads):
+                outcome.finished.update(op.request_id for op in loads)
+                for op in loads:
+                    self._fail_load(outcome, op, op.touched_block_ids(self._spans))
         except BaseException:
+            outcome.finished.update(op.request_id for op in loads)
             for op in loads:
-                self._fail_load(op, op.nonnull_block_ids())
+                self._fail_load(outcome, op, op.nonnull_block_ids())
             raise
+        finally:
+            if outcome.finished:
+                self._load_ledger.publish(outcome)
 
-    def _load(self, loads: Sequence[TransferOp]) -> None:
+    def _submit_loads(self, loads: Sequence[TransferOp]) -> bool:
+        """Queue the step's retrieve; False when it cannot run (degraded)."""
         if not self.available:
-            for op in loads:
-                self._fail_load(op, op.touched_block_ids(self._spans))
-            return
-        timeout_s = self.config.request_timeout_s
+            return False
         body = RetrieveRequest(
             instance_id=self.instance_id,
             rank=self.server_rank,
             requests=[op.to_item(self.namespace) for op in loads],
-            timeout_s=server_budget_s(timeout_s),
+            timeout_s=server_budget_s(self.config.request_timeout_s),
         )
         self._sync_device()
+        job = Job(lambda job: self._run_load(loads, body), _ids(loads))
+        return self._load_lane.submit(job)
+
+    def _run_load(self, loads: Sequence[TransferOp], body: RetrieveRequest) -> None:
+        """The load lane's job: the retrieve call, then its outcome, published whole."""
+        outcome = LoadOutcome(finished={op.request_id for op in loads})
+        try:
+            self._load(loads, body, outcome)
+        except BaseException:
+            for op in loads:
+                self._fail_load(outcome, op, op.nonnull_block_ids())
+            raise
+        finally:
+            self._load_ledger.publish(outcome)
+
+    def _load(self, loads: Sequence[TransferOp], body: RetrieveRequest, out: LoadOutcome) -> None:
         try:
             reply = self.link.client.retrieve(
-                body, timeout_s=timeout_s, registration_token=self.registration_token
+                body,
+                timeout_s=self.config.request_timeout_s,
+                registration_token=self.registration_token,
             )
         except ServerError as exc:
             self._call_failed("retrieve", exc)
             for op in loads:
-                self._fail_load(op, op.touched_block_ids(self._spans))
+                self._fail_load(out, op, op.touched_block_ids(self._spans))
             return
         results = {r.request_id: r for r in reply.results}
         for op in loads:
             result = results.get(op.request_id)
             if result is None:
-                self._fail_load(op, op.touched_block_ids(self._spans))
+                self._fail_load(out, op, op.touched_block_ids(self._spans))
                 continue
             loaded_end = op.start_token + max(0, result.loaded_tokens)
             failed = set(result.failed_block_ids)
@@ -308,22 +358,21 @@ class WorkerAdapter:
                 failed |= rest.touched_block_ids(self._spans)
             failed.discard(0)
             if failed:
-                self._fail_load(op, failed)
+                self._fail_load(out, op, failed)
 
-    def _fail_load(self, op: TransferOp, block_ids: set[int]) -> None:
+    def _fail_load(self, out: LoadOutcome, op: TransferOp, block_ids: set[int]) -> None:
         if not block_ids:
             return
         if self._single_group:
-            self._load_errors.update(block_ids)
+            out.error_blocks.update(block_ids)
         else:
             # Block ids are per group, so vLLM takes only request-level failures.
-            self._failed_recving.add(op.request_id)
+            out.failed.add(op.request_id)
 
     def take_transfer_results(self) -> tuple[set[str], set[str]]:
-        """(finished loads, failed loads) since the last call; failed ones are in both."""
-        finished, failed = self._finished_recving, self._failed_recving
-        self._finished_recving, self._failed_recving = set(), set()
-        return finished, failed
+        """(finished loads, failed loads) since the last call; failed ones are in both.
+        The blocks that failed with them come from the next ``take_load_errors``."""
+        return self._load_ledger.take()
 
     def take_finished_loads(self) -> set[str]:
         """Finished loads for a caller that cannot take request-level failures.
@@ -333,32 +382,65 @@ class WorkerAdapter:
         here; one that failed as a request (``failed_recving``) would read as a
         success, so it stays queued for the next ``take_transfer_results``.
         """
-        finished = self._finished_recving - self._failed_recving
-        self._finished_recving = set(self._failed_recving)
-        return finished
+        return self._load_ledger.take_finished()
 
     def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self._load_ledger.take_errors()
 
     # ------------------------------------------------------------------ stores
 
     def save(self, plan: StepPlan) -> None:
-        """Store the step's finished chunks (one batched call); skipped if degraded."""
+        """Hand the step's finished chunks to the store lane (one batched call).
+
+        Returns at once, except for a layout whose blocks vLLM rewrites or frees
+        while the request runs (sliding-window and recurrent groups): there it waits
+        for the call, as before (``stores_wait``). Skipped while degraded, and
+        when the lane already has ``MAX_QUEUED_STORES`` calls waiting (a best-effort
+        cache drops a store rather than hold vLLM's blocks longer).
+        """
         stores = plan.stores
-        if not stores or not self.available:
+        if not stores:
             return
-        timeout_s = self.config.request_timeout_s
+        ids = _ids(stores)
+        self._store_ledger.planned(ids)  # first: finish reports depend on it
+        if not self.available:
+            return
         body = StoreRequest(
             instance_id=self.instance_id,
             rank=self.server_rank,
             requests=[op.to_item(self.namespace) for op in stores],
-            timeout_s=server_budget_s(timeout_s),
+            timeout_s=server_budget_s(self.config.request_timeout_s),
         )
         self._sync_device()
+        self._store_ledger.begin(ids)
+        job = Job(lambda job: self._run_store(job, body), ids)
+        if not self._store_lane.submit(job):
+            self._store_ledger.end(ids)
+            logger.debug("mpcache worker rank %d: store lane full; step not stored", self.rank)
+            return
+        if self.stores_wait:
+            job.done.wait(self._call_bound_s)
+
+    def _run_store(self, job: Job, body: StoreRequest) -> None:
+        """The store lane's job: the store call, without the requests revoked since."""
+        try:
+            with self._store_lane.lock:
+                revoked = set(job.revoked)
+            if revoked:
+                body = body.model_copy(
+                    update={"requests": [r for r in body.requests if r.request_id not in revoked]}
+                )
+            if body.requests:
+                self._store(body)
+        finally:
+            self._store_ledger.end(job.request_ids)
+
+    def _store(self, body: StoreRequest) -> None:
         try:
             reply = self.link.client.store(
-                body, timeout_s=timeout_s, registration_token=self.registration_token
+                body,
+                timeout_s=self.config.request_timeout_s,
+                registration_token=self.registration_token,
             )
         except ServerError as exc:
             self._call_failed("store", exc)
@@ -367,10 +449,39 @@ class WorkerAdapter:
         if failed:
             logger.debug("mpcache worker rank %d: %d chunk(s) not stored", self.rank, failed)
 
+    def take_finished_stores(self, finished_req_ids: Collection[str]) -> set[str]:
+        """Finished requests whose blocks no store reads any more (vLLM frees them:
+        the scheduler delayed exactly the requests a plan carried stores for)."""
+        return self._store_ledger.finished(finished_req_ids)
+
+    def handle_preemptions(self, plan: StepPlan) -> None:
+        """vLLM freed the blocks of ``plan.preempted`` and may rewrite them this step:
+        their queued stores are revoked, and a store call already running for them
+        is waited for (bounded by the call's own client timeout)."""
+        preempted = self._store_ledger.in_flight(plan.preempted)
+        if not preempted:
+            return
+        for job in self._store_lane.revoke(preempted):
+            if not job.done.wait(self._call_bound_s):
+                logger.warning(
+                    "mpcache worker rank %d: a store of preempted requests outlived its "
+                    "timeout (the server's budget has ended it)",
+                    self.rank,
+                )
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) for every transfer handed over so far."""
+        deadline = time.monotonic() + timeout_s
+        loads = self._load_lane.wait_idle(timeout_s)
+        return self._store_lane.wait_idle(max(0.0, deadline - time.monotonic())) and loads
+
     # ---------------------------------------------------------------- shutdown
 
     def shutdown(self) -> None:
-        """Stop the heartbeat, unregister, disconnect, close this worker's memfds."""
+        """Let the transfers handed over finish (bounded), stop the heartbeat,
+        unregister, disconnect, close this worker's memfds."""
+        for lane in (self._load_lane, self._store_lane):
+            lane.close(self._call_bound_s)
         self.heartbeat.stop()
         if self.link.healthy:
             self.unregister()

@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -78,3 +79,12 @@ def shm_names() -> Iterator[list[str]]:
     for name in names:
         with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory(name)
+
+
+@pytest.fixture
+def built() -> Iterator[list[Any]]:
+    """Connectors (or anything with ``shutdown``) a test builds; shut down afterwards."""
+    made: list[Any] = []
+    yield made
+    for c in made:
+        c.shutdown()

@@ -65,6 +65,10 @@ class FakeServer:
         # Cleared: lookups wait until it is set again.
         self.lookup_gate = threading.Event()
         self.lookup_gate.set()
+        # Per path: a cleared gate holds that path's calls until it is set again;
+        # ``arrived`` counts the calls that reached the server, held or not.
+        self.gates: dict[str, threading.Event] = {}
+        self.arrived: dict[str, int] = {}
         self.gate: FdGate | None = None
         self.redeemed: list[int] = []  # per registration: memfds redeemed
         self._headers: httpx.Headers = httpx.Headers()
@@ -102,9 +106,20 @@ class FakeServer:
         with self.lock:
             return [f"{m} {p}" for m, p, _ in self.calls]
 
+    def hold(self, path: str) -> threading.Event:
+        """Hold calls to ``path`` until the returned event is set."""
+        gate = self.gates[path] = threading.Event()
+        return gate
+
     def handle(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/cache/lookup":  # the scheduler's lookup thread waits
+        path = request.url.path
+        with self.lock:
+            self.arrived[path] = self.arrived.get(path, 0) + 1
+        if path == "/cache/lookup":  # the scheduler's lookup thread waits
             assert self.lookup_gate.wait(timeout=60), "lookup_gate never opened"
+        gate = self.gates.get(path)
+        if gate is not None:
+            assert gate.wait(timeout=60), f"the gate of {path} never opened"
         with self.lock:
             if not self.up:
                 raise httpx.ConnectError("connection refused", request=request)

@@ -220,7 +220,9 @@ def test_store_then_hit_then_load(adapters: list[SchedulerAdapter]) -> None:
     (op,) = plan.stores
     assert (op.start_token, op.end_token) == (128, 192)  # the partial chunk stays out
     _store(server, plan.stores)
-    assert adapter.request_finished(a) == (False, None)
+    # A's blocks stay vLLM's until the workers report its stores done.
+    assert adapter.request_finished(a) == (True, None)
+    adapter.transfers_finished({"A"})
 
     # Same prompt again; vLLM's own prefix cache holds the first 32 tokens.
     b = FakeRequest("B", list(prompt))
@@ -235,7 +237,38 @@ def test_store_then_hit_then_load(adapters: list[SchedulerAdapter]) -> None:
     assert (load.start_token, load.end_token) == (0, 192)
     assert load.block_ids == [[0, 0, *blocks_b[2:12]]]  # local blocks never written
     assert _decode(load) == prompt[:192]
-    assert plan.ended == ("A",)
+
+
+def test_only_requests_with_stores_delay_their_free(adapters: list[SchedulerAdapter]) -> None:
+    """vLLM keeps a finished request's blocks while a store may read them; the
+    session ends once they are freed, and preemptions are passed to the workers
+    only for requests whose stores may still run."""
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server, heartbeat=True)
+    a, b = FakeRequest("A", _tokens(128)), FakeRequest("B", _tokens(10, 7))
+    for r in (a, b):
+        assert ask(adapter, r, 0) == (0, False)
+    adapter.update_state_after_alloc(a, FakeBlocks((list(range(1, 9)),)), 0)
+    adapter.update_state_after_alloc(b, FakeBlocks(([9],)), 0)
+    step = StepOutput(
+        [NewReq("A", (list(range(1, 9)),), 0), NewReq("B", ([9],), 0)],
+        num_scheduled_tokens={"A": 64, "B": 10},
+    )
+    step.preempted_req_ids = {"A", "B"}  # type: ignore[attr-defined]
+    plan = adapter.build_connector_meta(step)
+    assert [op.request_id for op in plan.stores] == ["A"]
+    assert plan.preempted == ()  # nothing was being stored before this plan
+    step = StepOutput()
+    step.preempted_req_ids = {"A", "B"}  # type: ignore[attr-defined]
+    assert adapter.build_connector_meta(step).preempted == ("A",)
+
+    assert adapter.request_finished(b) == (False, None)  # no store: freed at once
+    assert adapter.request_finished(a) == (True, None)
+    assert adapter.build_connector_meta(StepOutput()).ended == ("B",)
+    wait_until(lambda: server.ended == ["B"])
+    adapter.transfers_finished({"A"})  # ended at once, without waiting for a step
+    wait_until(lambda: server.ended == ["B", "A"])
+    assert adapter.build_connector_meta(StepOutput()).ended == ()
 
 
 def test_last_token_is_never_a_hit(adapters: list[SchedulerAdapter]) -> None:

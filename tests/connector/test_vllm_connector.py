@@ -74,22 +74,10 @@ def server_64() -> Iterator[str]:
         yield url
 
 
-@pytest.fixture
-def built() -> Iterator[list[Any]]:
-    """Connectors a test builds; shut down afterwards."""
-    made: list[Any] = []
-    yield made
-    for c in made:
-        c.shutdown()
-
-
 def _factory(config: Any, role: str, kv_cache_config: Any) -> Any:
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from tests.connector.vllm_support import make_connector
 
-    return KVConnectorFactory.create_connector(
-        config, KVConnectorRole[role.upper()], kv_cache_config
-    )
+    return make_connector(config, role, kv_cache_config)
 
 
 # -------------------------------------------------------------------- factory
@@ -216,6 +204,14 @@ def _run_two_requests(
             worker, lambda out: any(op.request_id == "B" for op in _loads(out)), "load"
         )
     assert out.scheduled_new_reqs == []
+
+    # The load runs off the step: vLLM keeps B waiting until it is reported done.
+    def b_loaded() -> bool:
+        out, _ = worker.step()
+        assert "B" not in out.num_scheduled_tokens
+        return "B" in scheduler.finished_recving_kv_req_ids
+
+    wait_until(b_loaded, what="B's load reported", poll_s=0.001)
     blocks_b = worker.blocks_of("B")
     loaded = {
         layer: [worker.slot(layer, blocks_b, p).clone() for p in range(len(blocks_b) * 16)]
@@ -224,6 +220,7 @@ def _run_two_requests(
     # ...then B is scheduled with the loaded tokens computed.
     out, _ = worker.step()
     (new,) = out.scheduled_new_reqs
+    assert worker_conn.worker_adapter.flush(10.0)  # B's store has been sent
     return worker, new, prompt, loaded, kv_value
 
 
@@ -439,6 +436,7 @@ def test_get_finished_does_not_lose_failed_loads(
     conn = _worker_connector(tiny_model_dir, fake_server, built, kvcc, _kv_layers(16, LAYERS))
     _bind(conn, TransferOp("MISS", 0, 64, encode_tokens(range(64)), blocks))  # nothing cached
     conn.start_load_kv(None)
+    assert conn.worker_adapter.flush(5.0)  # the load's call has returned
 
     sending, recving = conn.get_finished(set())
     assert sending is None

@@ -5,7 +5,9 @@ from __future__ import annotations
 import base64
 import mmap
 import os
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ from connector.config import ConnectorConfig
 from connector.errors import LayoutError, ServerUnreachable, StartupError
 from connector.metadata import StepPlan, TransferOp
 from connector.registration import block_view
-from connector.worker import WorkerAdapter, server_budget_s
+from connector.worker import MAX_QUEUED_STORES, WorkerAdapter, server_budget_s
 from contract.fdpass import F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, seals_of
 from contract.schemas import RetrieveRequest
 from contract.tokens import encode_tokens
@@ -82,6 +84,18 @@ def _map_memfd(fd: int) -> mmap.mmap:
         return mmap.mmap(dup, os.fstat(dup).st_size)
     finally:
         os.close(dup)
+
+
+def save(worker: WorkerAdapter, plan: StepPlan) -> None:
+    """A step's stores, and wait until its lane has sent them."""
+    worker.save(plan)
+    assert worker.flush(5.0)
+
+
+def load(worker: WorkerAdapter, plan: StepPlan) -> None:
+    """A step's loads, and wait until its lane has their outcome."""
+    worker.start_load(plan)
+    assert worker.flush(5.0)
 
 
 def _op(rid: str, tokens: list[int], start: int, end: int, blocks: list[int]) -> TransferOp:
@@ -234,7 +248,7 @@ def test_store_then_load_and_failures(workers: list[WorkerAdapter]) -> None:
     worker = make(workers, server)
     worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
     tokens = list(range(200))
-    worker.save(StepPlan(stores=(_op("A", tokens, 0, 128, [1, 2, 3, 4, 5, 6, 7, 7]),)))
+    save(worker, StepPlan(stores=(_op("A", tokens, 0, 128, [1, 2, 3, 4, 5, 6, 7, 7]),)))
     (store_call,) = [c for c in server.calls if c[1] == "/cache/store"]
     assert store_call[2]["rank"] == 0 and store_call[2]["instance_id"] == "eng"
     assert store_call[2]["requests"][0]["namespace"] == NS
@@ -245,13 +259,14 @@ def test_store_then_load_and_failures(workers: list[WorkerAdapter]) -> None:
 
     # B loads both chunks; C asks for a chunk that is not cached.
     other = [t + 1000 for t in tokens]
-    worker.start_load(
+    load(
+        worker,
         StepPlan(
             loads=(
                 _op("B", tokens, 0, 128, [0, 0, 3, 4, 5, 6, 7, 1]),
                 _op("C", other, 0, 128, [0, 0, 3, 4, 5, 6, 7, 1]),
             )
-        )
+        ),
     )
     finished, failed = worker.take_transfer_results()
     assert finished == {"B", "C"}
@@ -269,8 +284,8 @@ def test_transfer_calls_carry_a_server_budget_below_the_client_timeout(
     worker = make(workers, server)  # request_timeout_s = 0.5
     worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
     tokens = list(range(128))
-    worker.save(StepPlan(stores=(_op("A", tokens, 0, 128, [1, 2, 3, 4, 5, 6, 7, 1]),)))
-    worker.start_load(StepPlan(loads=(_op("B", tokens, 0, 64, [0, 2, 3, 4]),)))
+    save(worker, StepPlan(stores=(_op("A", tokens, 0, 128, [1, 2, 3, 4, 5, 6, 7, 1]),)))
+    load(worker, StepPlan(loads=(_op("B", tokens, 0, 64, [0, 2, 3, 4]),)))
 
     bodies = {path: body for _, path, body in server.calls}
     timeouts = dict(server.client_timeouts)
@@ -325,14 +340,14 @@ def test_unexpected_error_fails_every_load_of_the_step(
     blocks = [[0, 2, 3, 4], [0, 5]] if len(groups) == 2 else [[0, 2, 3, 4, 5]]
     op = TransferOp("B", 0, 64, encode_tokens(range(64)), blocks)
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        worker.start_load(StepPlan(loads=(op,)))
+        load(worker, StepPlan(loads=(op,)))
     assert worker.take_transfer_results() == ({"B"}, failed)
     assert worker.take_load_errors() == errors
 
 
 def test_unplanned_loads_are_reported_failed(workers: list[WorkerAdapter]) -> None:
     worker = make(workers, FakeServer(min_chunk_size=64))
-    worker.start_load(StepPlan(failed_loads=("C",)))
+    load(worker, StepPlan(failed_loads=("C",)))
     assert worker.take_transfer_results() == ({"C"}, {"C"})
 
 
@@ -347,7 +362,7 @@ def test_finished_loads_for_get_finished_keep_request_failures(
     worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
     ok = TransferOp("OK", 0, 64, encode_tokens(range(64)), [[0, 0, 0, 0], [0, 0]])
     bad = TransferOp("BAD", 0, 64, encode_tokens(range(64)), [[1, 2, 3, 4], [5, 6]])
-    worker.start_load(StepPlan(loads=(ok, bad)))
+    load(worker, StepPlan(loads=(ok, bad)))
     assert worker.take_finished_loads() == {"OK"}
     assert worker.take_finished_loads() == set()
     assert worker.take_transfer_results() == ({"BAD"}, {"BAD"})
@@ -360,7 +375,7 @@ def test_multi_group_failures_are_request_level(workers: list[WorkerAdapter]) ->
     worker = make(workers, server, groups=groups)
     worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
     op = TransferOp("A", 0, 64, encode_tokens(range(64)), [[1, 2, 3, 4], [5, 6]])
-    worker.start_load(StepPlan(loads=(op,)))
+    load(worker, StepPlan(loads=(op,)))
     assert worker.take_transfer_results() == ({"A"}, {"A"})
     assert worker.take_load_errors() == set()
 
@@ -371,10 +386,10 @@ def test_degraded_worker_skips_stores_and_fails_loads(workers: list[WorkerAdapte
     worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
     server.up = False
     tokens = list(range(128))
-    worker.save(StepPlan(stores=(_op("A", tokens, 0, 128, [1, 2, 3, 4, 5, 6, 7, 1]),)))
+    save(worker, StepPlan(stores=(_op("A", tokens, 0, 128, [1, 2, 3, 4, 5, 6, 7, 1]),)))
     assert not worker.available  # the failed store marked the server suspect
-    worker.save(StepPlan(stores=(_op("A", tokens, 0, 128, [1, 2, 3, 4, 5, 6, 7, 1]),)))
-    worker.start_load(StepPlan(loads=(_op("B", tokens, 0, 64, [0, 2, 3, 4]),)))
+    save(worker, StepPlan(stores=(_op("A", tokens, 0, 128, [1, 2, 3, 4, 5, 6, 7, 1]),)))
+    load(worker, StepPlan(loads=(_op("B", tokens, 0, 64, [0, 2, 3, 4]),)))
     assert worker.take_transfer_results() == ({"B"}, set())
     assert worker.take_load_errors() == {2, 3, 4}
     assert [c[1] for c in server.calls].count("/cache/store") == 0  # refused connection
@@ -423,7 +438,7 @@ def test_restart_with_other_size_keeps_worker_degraded(workers: list[WorkerAdapt
     wait_until(lambda: worker.heartbeat.rounds >= rounds + 3)
     assert not worker.available
     assert server.registrations == {}
-    worker.save(StepPlan(stores=(_op("A", list(range(64)), 0, 64, [1, 2, 3, 4]),)))
+    save(worker, StepPlan(stores=(_op("A", list(range(64)), 0, 64, [1, 2, 3, 4]),)))
     assert "/cache/store" not in [c[1] for c in server.calls]
 
 
@@ -453,3 +468,144 @@ def test_shutdown_unregisters_and_closes(workers: list[WorkerAdapter]) -> None:
             os.readlink(f"/proc/self/fd/{fd}")
         )
     assert torch.equal(l0, expected)  # vLLM's tensors stay valid after the close
+
+
+# ------------------------------------------------------- off vLLM's step (lanes)
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec:  # named like vLLM's: the classifier reads the class name
+    block_size: int
+    dcp_sharded: bool = True
+    prefix_cacheable: bool = True
+
+
+def test_a_load_returns_before_its_call_and_lands_with_its_failed_blocks(
+    workers: list[WorkerAdapter],
+) -> None:
+    server = FakeServer(min_chunk_size=64)
+    worker = make(workers, server)
+    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    tokens = list(range(128))
+    save(worker, StepPlan(stores=(_op("A", tokens, 0, 64, [1, 2, 3, 4]),)))
+    gate = server.hold("/cache/retrieve")
+    # B asks for two chunks; the server holds the first only.
+    worker.start_load(StepPlan(loads=(_op("B", tokens, 0, 128, [0, 0, 5, 6, 7, 1, 2, 3]),)))
+    wait_until(lambda: server.arrived.get("/cache/retrieve") == 1, what="the retrieve call")
+    # The step is over while the call is held: nothing is reported yet.
+    assert worker.take_transfer_results() == (set(), set())
+    assert worker.take_load_errors() == set()
+    gate.set()
+    assert worker.flush(5.0)
+    # The failed blocks are not handed out before their request is reported ...
+    assert worker.take_load_errors() == set()
+    # ... and come with it, in the same step.
+    assert worker.take_transfer_results() == ({"B"}, set())
+    assert worker.take_load_errors() == {7, 1, 2, 3}
+
+
+def test_a_load_whose_server_dies_mid_call_is_reported_failed(
+    workers: list[WorkerAdapter],
+) -> None:
+    server = FakeServer(min_chunk_size=64)
+    worker = make(workers, server)
+    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    gate = server.hold("/cache/retrieve")
+    worker.start_load(StepPlan(loads=(_op("B", list(range(64)), 0, 64, [0, 2, 3, 4]),)))
+    wait_until(lambda: server.arrived.get("/cache/retrieve") == 1, what="the retrieve call")
+    server.up = False  # the held call now fails: the connection is refused
+    gate.set()
+    assert worker.flush(5.0)
+    assert worker.take_transfer_results() == ({"B"}, set())
+    assert worker.take_load_errors() == {2, 3, 4}
+    assert not worker.available  # the heartbeat takes it from here
+
+
+def test_a_finished_request_is_freed_only_after_its_stores(workers: list[WorkerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    worker = make(workers, server)
+    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    gate = server.hold("/cache/store")
+    worker.save(StepPlan(stores=(_op("A", list(range(64)), 0, 64, [1, 2, 3, 4]),)))
+    wait_until(lambda: server.arrived.get("/cache/store") == 1, what="the store call")
+    # vLLM says A finished, and C, which never stored anything.
+    assert worker.take_finished_stores({"A", "C"}) == set()
+    assert worker.take_finished_stores(set()) == set()
+    gate.set()
+    assert worker.flush(5.0)
+    assert worker.take_finished_stores(set()) == {"A"}  # reported once
+    assert worker.take_finished_stores({"A", "C"}) == set()
+    assert [c[1] for c in server.calls].count("/cache/store") == 1
+
+
+def test_a_degraded_worker_still_frees_the_requests_it_skipped(
+    workers: list[WorkerAdapter],
+) -> None:
+    """The scheduler delayed the free of every request a plan stored: the worker must
+    report each, whether or not its store ran."""
+    server = FakeServer(min_chunk_size=64)
+    worker = make(workers, server)  # not registered: not available
+    worker.save(StepPlan(stores=(_op("A", list(range(64)), 0, 64, [1, 2, 3, 4]),)))
+    assert worker.take_finished_stores({"A"}) == {"A"}
+    assert "/cache/store" not in server.arrived
+
+
+def test_preemption_revokes_queued_stores_and_waits_for_the_running_one(
+    workers: list[WorkerAdapter],
+) -> None:
+    server = FakeServer(min_chunk_size=64)
+    worker = make(workers, server)
+    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    tokens = list(range(128))
+    gate = server.hold("/cache/store")
+    worker.save(StepPlan(stores=(_op("A", tokens, 0, 64, [1, 2, 3, 4]),)))
+    wait_until(lambda: server.arrived.get("/cache/store") == 1, what="the first store call")
+    worker.save(
+        StepPlan(
+            stores=(
+                _op("A", tokens, 64, 128, [1, 2, 3, 4, 5, 6, 7, 1]),
+                _op("B", tokens, 0, 64, [5, 6, 7, 1]),
+            )
+        )
+    )
+    opener = threading.Timer(0.2, gate.set)
+    opener.start()
+    try:
+        # vLLM freed A's blocks: this returns only once the running call is over.
+        worker.handle_preemptions(StepPlan(preempted=("A",)))
+        assert [c[1] for c in server.calls].count("/cache/store") >= 1
+    finally:
+        opener.join()
+    assert worker.flush(5.0)
+    stores = [body for _, path, body in server.calls if path == "/cache/store"]
+    assert [[r["request_id"] for r in body["requests"]] for body in stores] == [["A"], ["B"]]
+
+
+def test_a_full_store_lane_drops_the_step(workers: list[WorkerAdapter]) -> None:
+    server = FakeServer(min_chunk_size=64)
+    worker = make(workers, server)
+    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    gate = server.hold("/cache/store")
+    rids = [f"R{i}" for i in range(MAX_QUEUED_STORES + 2)]
+    for i, rid in enumerate(rids):
+        worker.save(StepPlan(stores=(_op(rid, list(range(i, i + 64)), 0, 64, [1, 2, 3, 4]),)))
+        if i == 0:
+            wait_until(lambda: server.arrived.get("/cache/store") == 1, what="the first store")
+    gate.set()
+    assert worker.flush(5.0)
+    sent = [body["requests"][0]["request_id"] for _, p, body in server.calls if p == "/cache/store"]
+    assert sent == rids[:-1]  # one running, MAX_QUEUED_STORES queued, the last dropped
+    assert worker.take_finished_stores(set(rids)) == set(rids)
+
+
+def test_windowed_layouts_wait_for_their_stores(workers: list[WorkerAdapter]) -> None:
+    """vLLM frees a sliding window's old blocks while the request runs, so its store
+    must be over before the next step's forward."""
+    server = FakeServer(min_chunk_size=64)
+    groups = [Group(AttnSpec(16), ["l0"]), Group(SlidingWindowSpec(16), ["l1"])]
+    worker = make(workers, server, groups=groups)
+    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    assert worker.stores_wait
+    op = TransferOp("A", 0, 64, encode_tokens(range(64)), [[1, 2, 3, 4], [5, 6, 7, 1]])
+    worker.save(StepPlan(stores=(op,)))
+    assert [c[1] for c in server.calls].count("/cache/store") == 1  # no flush needed

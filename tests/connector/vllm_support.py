@@ -74,6 +74,16 @@ def make_kv_cache_config(num_blocks: int, block_size: int = BLOCK_SIZE) -> Any:
     )
 
 
+def make_connector(vllm_config: Any, role: str, kv_cache_config: Any) -> Any:
+    """The connector for ``role`` ("scheduler" or "worker"), built by vLLM's factory."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+    return KVConnectorFactory.create_connector(
+        vllm_config, KVConnectorRole[role.upper()], kv_cache_config
+    )
+
+
 def make_scheduler(vllm_config: Any, kv_cache_config: Any) -> Any:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
@@ -142,6 +152,7 @@ class CpuWorker:
 
         out = self.scheduler.schedule()
         c = self.connector
+        c.handle_preemptions(out.kv_connector_metadata)
         c.bind_connector_metadata(out.kv_connector_metadata)
         if out.has_sync_kv_loads:
             c.start_load_kv(None)
@@ -167,6 +178,7 @@ class CpuWorker:
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(
+                finished_sending=results.finished_sending or None,
                 finished_recving=results.finished_recving or None,
                 failed_recving=results.failed_recving,
                 invalid_block_ids=invalid,
