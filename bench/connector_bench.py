@@ -158,6 +158,7 @@ def main() -> None:
                     _Step([_NewReq(st.request_id, (blocks,), 0)], {st.request_id: size + 1})
                 )
                 worker.save(plan)
+                assert worker.flush(10.0)  # its lane has sent it
                 sched.request_finished(st)
 
             def build(i: int) -> float:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from connector.client import ControlClient
 from connector.errors import ServerRejected
 from connector.servers import ServerLink
+from contract.key_index import IndexBusy
 
 if TYPE_CHECKING:  # imported when opened: it needs xxhash, which vLLM may lack
     from connector.key_index import KeyIndexReader
@@ -120,6 +121,8 @@ class IndexSlot:
             authoritative = reader.authoritative
         except ValueError:  # unmapped under us: treat as no index
             self._drop()
+            return None
+        except IndexBusy:  # the server was rewriting a slot the answer needs
             return None
         finally:
             self._budget_s -= self._clock() - begin

@@ -39,9 +39,16 @@ __all__ = [
     "SLOT",
     "SLOT_BYTES",
     "VERSION",
+    "IndexBusy",
     "IndexHeader",
     "IndexView",
 ]
+
+
+class IndexBusy(Exception):
+    """A slot the answer depends on was being written for as long as a reader spins:
+    the index cannot say (the caller asks the server), rather than answer "not held"."""
+
 
 MAGIC = b"MPKI"
 VERSION = 1
@@ -104,14 +111,15 @@ class IndexView:
         return bool(flags & FLAG_AUTHORITATIVE)
 
     def holds(self, key: bytes, ranks: int) -> bool:
-        """True when every rank in the bitmask ``ranks`` holds ``key``."""
+        """True when every rank in the bitmask ``ranks`` holds ``key``; raises
+        ``IndexBusy`` when a slot on its probe path would not settle."""
         buf, mask = self._buf, self._mask
         pos = int.from_bytes(key[:8], "little") & mask
         for _ in range(mask + 1):
             offset = HEADER_BYTES + pos * SLOT_BYTES
             slot = _read_slot(buf, offset)
             if slot is None:
-                return False
+                raise IndexBusy
             seq, held, found = slot
             if found == key:
                 return held & ranks == ranks

@@ -75,7 +75,7 @@ def free_port() -> int:
 
 
 def wait_healthy(
-    url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30.0
+    url: str, proc: subprocess.Popen[bytes], timeout_s: float = 90.0
 ) -> dict[str, object]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -85,6 +85,7 @@ class Instance:
             )
         )
         self.worker.save(plan)
+        assert self.worker.flush(10.0)  # its lane has sent it
         self.scheduler.request_finished(request)
 
     def hit_tokens(self, request_id: str, prompt: list[int]) -> int:
@@ -100,6 +101,7 @@ class Instance:
         self.scheduler.update_state_after_alloc(request, FakeBlocks((blocks,)), hits)
         plan = self.scheduler.build_connector_meta(StepOutput())
         self.worker.start_load(plan)
+        assert self.worker.flush(10.0)  # its lane has sent it
         done, _ = self.worker.take_transfer_results()
         errors = self.worker.take_load_errors()
         self.scheduler.request_finished(request)

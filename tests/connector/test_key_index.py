@@ -73,6 +73,7 @@ def _store(worker: WorkerAdapter, rid: str, prompt: list[int], end: int) -> None
         rid, 0, end, encode_tokens(prompt[:end]), [list(range(-(-end // BS)))], unit_tokens=BS
     )
     worker.save(StepPlan(stores=(op,)))
+    assert worker.flush(10.0)  # its lane has sent it
 
 
 def _indexed(sched: SchedulerAdapter) -> None:

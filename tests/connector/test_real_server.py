@@ -95,6 +95,7 @@ def test_round_trip_same_bytes(server: str) -> None:
         # Two whole chunks, then the prompt's tail: its last whole block (one unit).
         assert [(op.start_token, op.end_token) for op in plan.stores] == [(0, 144)]
         worker.save(plan)
+        assert worker.flush(10.0)  # its lane has sent it
         sched.request_finished(a)
 
         b_req = FakeRequest("B", list(prompt))
@@ -104,6 +105,7 @@ def test_round_trip_same_bytes(server: str) -> None:
         plan = sched.build_connector_meta(StepOutput())
         assert len(plan.loads) == 1
         worker.start_load(plan)
+        assert worker.flush(10.0)  # its lane has sent it
         assert worker.take_transfer_results() == ({"B"}, set())
         assert worker.take_load_errors() == set()
         for j in range(1, 9):  # blocks 1..8 hold tokens 16..143, loaded from the cache
@@ -217,6 +219,7 @@ def test_a_registration_whose_reply_was_lost_is_retried_to_success(server: str) 
         before = _stored_chunks(server)
         op = TransferOp("A", 0, 64, encode_tokens(list(range(64))), [[0, 1, 2, 3]])
         worker.save(StepPlan(stores=(op,)))
+        assert worker.flush(10.0)  # its lane has sent it
         assert _stored_chunks(server) == before + 1
     finally:
         worker.shutdown()
@@ -230,6 +233,7 @@ def _store_prefix(worker: WorkerAdapter, request_id: str, prompt: list[int], n: 
     """Store the first ``n`` tokens of ``prompt`` (whole chunks of 64) from blocks 0..."""
     op = TransferOp(request_id, 0, n, encode_tokens(prompt[:n]), [list(range(n // BS))])
     worker.save(StepPlan(stores=(op,)))
+    assert worker.flush(10.0)  # its lane has sent it
 
 
 def test_lookups_through_the_lookup_area_answer_as_ids_in_the_body(server: str) -> None:

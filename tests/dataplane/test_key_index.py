@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from contract.key_index import IndexHeader, IndexView
+from contract.key_index import HEADER_BYTES, SLOT_BYTES, IndexBusy, IndexHeader, IndexView
 from contract.shm_naming import segment_name
 from dataplane.key_index import KeyIndex, index_slots
 from dataplane.pool import Entry, Pool
@@ -96,7 +96,8 @@ def test_a_full_index_leaves_keys_out_and_stops_being_authoritative(index: KeyIn
 
 def test_a_reader_never_sees_a_key_it_was_not_given(index: KeyIndex) -> None:
     """Slots rewritten while a reader probes (tombstones taken over by other keys):
-    the seqlock makes every answer one the writer gave at some moment."""
+    the seqlock makes every answer one the writer gave at some moment, or "cannot
+    say" when a slot stays mid-write (a writer preempted there), never a wrong one."""
     stable = [secrets.token_bytes(16) for _ in range(8)]
     for key in stable:
         index.set(key, 0, True)
@@ -105,10 +106,16 @@ def test_a_reader_never_sees_a_key_it_was_not_given(index: KeyIndex) -> None:
     reader = view(index)
     never = [secrets.token_bytes(16) for _ in range(8)]
 
+    def answer(key: bytes) -> bool | None:
+        try:
+            return reader.holds(key, 1)
+        except IndexBusy:  # "cannot say": the connector then asks the server
+            return None
+
     def read() -> None:
         while not stop.is_set():
-            wrong.extend(k for k in stable if not reader.holds(k, 1))
-            wrong.extend(k for k in never if reader.holds(k, 1))
+            wrong.extend(k for k in stable if answer(k) is False)
+            wrong.extend(k for k in never if answer(k))
 
     thread = threading.Thread(target=read)
     thread.start()
@@ -123,6 +130,25 @@ def test_a_reader_never_sees_a_key_it_was_not_given(index: KeyIndex) -> None:
         stop.set()
         thread.join()
     assert wrong == []
+
+
+def test_a_slot_left_mid_write_is_cannot_say_not_a_miss(index: KeyIndex) -> None:
+    """A writer preempted inside a slot's write leaves its sequence odd: a reader that
+    needs that slot says it cannot answer, so the connector asks the server instead
+    of losing a hit the server holds."""
+    key = secrets.token_bytes(16)
+    index.set(key, 0, True)
+    buf = memoryview(index.segment.buffer)
+    home = int.from_bytes(key[:8], "little") & 63
+    offset = HEADER_BYTES + home * SLOT_BYTES
+    seq = int.from_bytes(buf[offset : offset + 8], "little")
+    buf[offset : offset + 8] = (seq + 1).to_bytes(8, "little")  # a write begun
+    with pytest.raises(IndexBusy):
+        view(index).holds(key, 1)
+    with pytest.raises(IndexBusy):
+        view(index).leading([key] * 8, 1)
+    buf[offset : offset + 8] = (seq + 2).to_bytes(8, "little")  # and ended
+    assert view(index).holds(key, 1)
 
 
 def test_index_slots_scale_with_the_pool() -> None:

@@ -88,10 +88,12 @@ class Node:
 
     def store(self, request_id: str, prompt: list[int], blocks: list[int]) -> None:
         self.worker.save(StepPlan(stores=(_op(request_id, prompt, blocks),)))
+        assert self.worker.flush(10.0)  # its lane has sent it
 
     def load(self, request_id: str, prompt: list[int], blocks: list[int]) -> bool:
         """Load into ``blocks``; whether the load finished without errors."""
         self.worker.start_load(StepPlan(loads=(_op(request_id, prompt, blocks),)))
+        assert self.worker.flush(10.0)  # its lane has sent it
         finished, failed = self.worker.take_transfer_results()
         errors = self.worker.take_load_errors()
         return request_id in finished and not failed and not errors

@@ -99,8 +99,10 @@ def test_soak_every_loaded_byte_is_the_stored_byte() -> None:
                         kv[name][dst] = 0
                     end = BLOCKS * BS
                     worker.save(StepPlan(stores=(TransferOp(f"s{c}-{r}", 0, end, tokens, [src]),)))
+                    assert worker.flush(10.0)  # its lane has sent it
                     rid = f"l{c}-{r}"
                     worker.start_load(StepPlan(loads=(TransferOp(rid, 0, end, tokens, [dst]),)))
+                    assert worker.flush(10.0)  # its lane has sent it
                     finished, _ = worker.take_transfer_results()
                     assert rid in finished
                     failed = worker.take_load_errors()
