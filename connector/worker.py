@@ -24,11 +24,10 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
 from connector.alignment import KVLayout
 from connector.client import AsyncControlClient, TransportFactory
 from connector.config import ConnectorConfig
+from connector.device_order import DeviceOrder
 from connector.errors import ConnectorError, SegmentError, ServerError, StartupError
 from connector.heartbeat import AsyncTransportFactory, Heartbeat
 from connector.metadata import StepPlan, TransferOp
@@ -134,6 +133,7 @@ class WorkerAdapter:
             num_blocks=num_blocks,
             timeout_s=config.request_timeout_s,
         )
+        self._device_order = DeviceOrder(self._registration)
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._load_errors: set[int] = set()
@@ -243,9 +243,9 @@ class WorkerAdapter:
         if self.link.call_failed(what, exc, force=force):
             self.heartbeat.wake()
 
-    def _sync_device(self) -> None:
-        if self._registration.uses_cuda:
-            torch.cuda.current_stream().synchronize()  # Note [mpcache CUDA IPC invariants]
+    def _device_event(self) -> str | None:
+        """The event handle this call sends (Note [mpcache CUDA IPC invariants], rule 5)."""
+        return self._device_order.handle()
 
     # ------------------------------------------------------------------- loads
 
@@ -282,8 +282,8 @@ class WorkerAdapter:
             rank=self.server_rank,
             requests=[op.to_item(self.namespace) for op in loads],
             timeout_s=server_budget_s(timeout_s),
+            event_ipc_b64=self._device_event(),
         )
-        self._sync_device()
         try:
             reply = self.link.client.retrieve(
                 body, timeout_s=timeout_s, registration_token=self.registration_token
@@ -354,8 +354,8 @@ class WorkerAdapter:
             rank=self.server_rank,
             requests=[op.to_item(self.namespace) for op in stores],
             timeout_s=server_budget_s(timeout_s),
+            event_ipc_b64=self._device_event(),
         )
-        self._sync_device()
         try:
             reply = self.link.client.store(
                 body, timeout_s=timeout_s, registration_token=self.registration_token
