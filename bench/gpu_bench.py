@@ -7,8 +7,9 @@ server's pool is), pinned as the server pins it (``dataplane.device_path``). Eac
 round moves ``--chunks`` chunks each way, interleaved:
 
 - ``store D2H``: ``gather_chunk`` per chunk on the server's own stream, as a store
-  runs (blocks gathered on the GPU, one copy a chunk to its pool entry, the stream
-  synchronised before the chunk would commit);
+  runs (blocks gathered on the GPU, one copy a chunk to its pool entry, each chunk
+  waited for, as before its commit, once the next one's copy is queued:
+  ``CopyWindow``);
 - ``cudaMemcpy D2H``: the same bytes, one ``tensor.copy_`` a chunk from a contiguous
   GPU buffer into the same pinned pool memory, synchronised once;
 - ``retrieve H2D`` / ``cudaMemcpy H2D``: the same, the other way (``scatter_chunk``);
@@ -41,7 +42,7 @@ import torch
 from bench.common import MIN_ROUNDS, Rounds, load_line, results
 from contract.schemas import MemfdTensor
 from dataplane.descriptors import tensor_geometry
-from dataplane.device_path import DevicePath, PoolPinning
+from dataplane.device_path import CopyWindow, DevicePath, PoolPinning
 from dataplane.layout import BlockTensorSpec, GroupSpec, chunk_layout
 from dataplane.plans import TensorPlan, make_plan
 from dataplane.transfer import gather_chunk, scatter_chunk
@@ -159,18 +160,24 @@ def main() -> None:
     plain = torch.empty(args.chunks, chunk_bytes, dtype=torch.uint8, device=device)
 
     def store(pool: Pool) -> Callable[[], None]:
-        def run() -> None:
+        def run() -> None:  # as app/store.py runs a GPU registration's chunks
             with torch.cuda.stream(stream):
+                window = CopyWindow(0)
                 for ids, entry in zip(stored, pool.entries, strict=True):
-                    gather_chunk(plans, [ids], entry)
+                    gather_chunk(plans, [ids], entry, wait=False)
+                    window.add(lambda: None)  # the commit
+                window.drain()
 
         return run
 
     def retrieve(pool: Pool) -> Callable[[], None]:
-        def run() -> None:
+        def run() -> None:  # as app/retrieve.py does
             with torch.cuda.stream(stream):
+                window = CopyWindow(0)
                 for ids, entry in zip(loaded, pool.entries, strict=True):
-                    scatter_chunk(plans, [ids], entry)
+                    scatter_chunk(plans, [ids], entry, wait=False)
+                    window.add(lambda: None)
+                window.drain()
 
         return run
 

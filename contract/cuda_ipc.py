@@ -36,9 +36,10 @@ connector and the server both follow them; the consumer's half (``rebuild``) is
 #    IPC handle with the call (``event_ipc_b64``; ``connector.device_order``). The
 #    server opens it once per registration (``dataplane.cuda_ipc.open_event``), makes
 #    its own stream for that GPU wait for it (``cudaStreamWaitEvent``: a wait on the
-#    GPU, the producer's step does not stop), copies on that stream and synchronises
-#    that stream, never the device, before it commits a stored chunk or replies
-#    (``dataplane.device_path``), so the worker reads finished data. The producer may
+#    GPU, the producer's step does not stop), copies on that stream, and waits for
+#    its own copies (an event after each chunk, then the stream), never the device,
+#    before it commits a stored chunk or replies (``dataplane.device_path``), so the
+#    worker reads finished data. The producer may
 #    re-record the same event for a later call: a wait that sees the later record
 #    waits for more work, never for less. A call without a handle leaves the
 #    ordering to the producer, which must have synchronised its stream first (the

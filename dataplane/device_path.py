@@ -8,10 +8,12 @@ kept here:
   registration exists, and unregisters it at shutdown, before the pool is unmapped;
 - ``DevicePath.ordered`` wraps one store or retrieve call of a CUDA registration:
   it makes the server's stream for that GPU wait for the worker's event, makes that
-  stream current for the call's copies (``dataplane.transfer`` copies on the current
-  stream and synchronises it, never the device, before a chunk counts as copied),
-  and synchronises it once more before the reply. For a CPU registration it does
-  nothing, and refuses an event handle (422).
+  stream current for the call's copies (``dataplane.transfer`` queues them on the
+  current stream), and synchronises that stream, never the device, before the
+  reply. For a CPU registration it does nothing, and refuses an event handle (422);
+- ``CopyWindow`` keeps a call's chunks whose copies are queued but not yet waited
+  for, so one chunk's copy overlaps the next chunk's kernel launches, and runs each
+  chunk's commit (store) or count (retrieve) only once its copies have run.
 
 Why the pool is registered rather than copied through pinned staging buffers: the
 pool is a ``MAP_SHARED`` tmpfs mapping whose pages are all allocated when it is
@@ -29,6 +31,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, Protocol
 
@@ -39,7 +42,15 @@ from contract.shm_naming import fmt_bytes
 from dataplane.cuda_ipc import open_event
 from dataplane.registry import Registration
 
-__all__ = ["HOST_REGISTER_PORTABLE", "MAX_OPEN_EVENTS", "Cudart", "DevicePath", "PoolPinning"]
+__all__ = [
+    "HOST_REGISTER_PORTABLE",
+    "MAX_OPEN_EVENTS",
+    "WINDOW_CHUNKS",
+    "CopyWindow",
+    "Cudart",
+    "DevicePath",
+    "PoolPinning",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +61,11 @@ one registration serves every GPU the server copies for."""
 MAX_OPEN_EVENTS = 8
 """Most worker events one registration keeps open (a worker sends one, or a few in
 turn); the oldest is closed past it."""
+
+WINDOW_CHUNKS = 2
+"""Chunks of one call whose GPU copies may be queued and not yet waited for: with
+two, one chunk's copy to or from the pool runs while the next one's kernels are
+launched. More would only stretch how long a call may copy after its deadline."""
 
 PinState = Literal["off", "pinning", "pinned", "failed", "disabled"]
 
@@ -267,3 +283,73 @@ class DevicePath:
             logger.warning("GPU copies could not be waited for at shutdown: %s", exc)
         if self.pinning is not None:
             self.pinning.close()
+
+
+class _Marker(Protocol):
+    def synchronize(self) -> None: ...
+
+
+def _record_marker(device: int) -> _Marker:
+    """A CUDA event recorded on ``device``'s current stream (the server's)."""
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+class CopyWindow:
+    """One call's chunks whose GPU copies are queued on the server's stream and not
+    yet waited for, oldest first, at most ``depth`` (``WINDOW_CHUNKS``).
+
+    ``add(done, undo)`` follows a chunk's copies queued with ``wait=False``
+    (``dataplane.transfer``): it records an event after them and, past ``depth``,
+    waits for the oldest chunk's event (that event, not the stream or the device)
+    and runs its ``done`` (a store commits the entry; a retrieve counts the chunk).
+    ``drain`` waits for every chunk left, in order; the caller drains before its
+    reply and before it unpins any entry read. If a wait fails (a CUDA error), the
+    chunks not done are ``undo``-ne (a store aborts their entries) and the error
+    propagates. ``device`` None (CPU copies, done when they return): ``done`` runs
+    at once.
+    """
+
+    def __init__(
+        self,
+        device: int | None,
+        depth: int = WINDOW_CHUNKS,
+        *,
+        marker: Callable[[int], _Marker] | None = None,
+    ) -> None:
+        self.device = device
+        self.depth = max(1, depth)
+        self._marker = marker or _record_marker
+        self._queued: deque[tuple[_Marker, Callable[[], None], Callable[[], None]]] = deque()
+
+    def add(self, done: Callable[[], None], undo: Callable[[], None] = lambda: None) -> None:
+        if self.device is None:
+            done()
+            return
+        self._queued.append((self._marker(self.device), done, undo))
+        while len(self._queued) > self.depth - 1:
+            self._settle_oldest()
+
+    def drain(self) -> None:
+        while self._queued:
+            self._settle_oldest()
+
+    def _settle_oldest(self) -> None:
+        marker, done, _ = self._queued[0]
+        try:
+            marker.synchronize()
+        except BaseException:
+            self.abandon()
+            raise
+        self._queued.popleft()
+        done()
+
+    def abandon(self) -> None:
+        """Undo every chunk not done (the caller's copy failed, or a wait did), each
+        once its copies have stopped, so no copy still runs into memory it frees."""
+        while self._queued:
+            marker, _, undo = self._queued.popleft()
+            with contextlib.suppress(Exception):  # the error that brought us here wins
+                marker.synchronize()
+            undo()

@@ -446,12 +446,15 @@ def gather_chunk(
     group_ids: Sequence[np.ndarray],
     entry_bytes: torch.Tensor,
     pool: CopyPool = _SERIAL,
+    *,
+    wait: bool = True,
 ) -> int:
     """Copy one chunk's blocks (``group_ids[g]``, nulls read block 0) into an entry.
 
     Returns the bytes copied. CPU tensors are split across ``pool``'s lanes; CUDA
     copies run on the current stream, synchronised (that stream only) before
-    returning.
+    returning, or, with ``wait`` False, only queued there: the caller waits for them
+    (``dataplane.device_path.CopyWindow``) before the entry counts as written.
     """
     chunk = _ChunkCopy(group_ids, entry_bytes, pool, _every_slot)
     on_device: list[tuple[TensorPlan, _Blocks]] = []
@@ -461,7 +464,7 @@ def gather_chunk(
             on_device.append((plan, blocks))
         elif not chunk.stream(plan, blocks):
             chunk.jobs.append(partial(_gather_cpu, plan, blocks, chunk.region_array(plan)))
-    copied = _gather_device(on_device, chunk) if on_device else 0
+    copied = _gather_device(on_device, chunk, wait=wait) if on_device else 0
     return copied + chunk.run(store=True)
 
 
@@ -483,12 +486,14 @@ def _gather_cpu(plan: TensorPlan, blocks: _Blocks, dst: np.ndarray) -> int:
     return plan.region.nbytes
 
 
-def _gather_device(pairs: Sequence[tuple[TensorPlan, _Blocks]], chunk: _ChunkCopy) -> int:
+def _gather_device(
+    pairs: Sequence[tuple[TensorPlan, _Blocks]], chunk: _ChunkCopy, *, wait: bool
+) -> int:
     """torch (CUDA tensors), on the current stream: each tensor's blocks gathered on
     the device into its region of the staging buffer (``index_select``, one kernel a
     tensor, runs or not), then the buffer crosses to the entry in one copy: one DMA
     a chunk where the pool is pinned, at the link's bandwidth (a copy a tensor would
-    cost a transfer's overhead each). Returns once the stream has run it."""
+    cost a transfer's overhead each). Returns once the stream has run it (``wait``)."""
     device = pairs[0][0].view.device
     copied = 0
     for plan, blocks in pairs:
@@ -496,7 +501,8 @@ def _gather_device(pairs: Sequence[tuple[TensorPlan, _Blocks]], chunk: _ChunkCop
         torch.index_select(plan.view, plan.dim, index, out=chunk.staged_region(plan))
         copied += plan.region.nbytes
     chunk.entry_bytes.copy_(chunk.staging(device), non_blocking=True)
-    _sync_current_stream(device)
+    if wait:
+        _sync_current_stream(device)
     return copied
 
 
@@ -508,12 +514,15 @@ def scatter_chunk(
     group_ids: Sequence[np.ndarray],
     entry_bytes: torch.Tensor,
     pool: CopyPool = _SERIAL,
+    *,
+    wait: bool = True,
 ) -> int:
     """Copy an entry's blocks into the non-null blocks of ``group_ids``.
 
     Returns the bytes written. CPU tensors are split across ``pool``'s lanes; CUDA
     copies run on the current stream, synchronised (that stream only) before
-    returning.
+    returning, or only queued there with ``wait`` False (as ``gather_chunk``: the
+    entry stays pinned until the caller has waited).
     """
     chunk = _ChunkCopy(group_ids, entry_bytes, pool, _non_null_slots)
     on_device: list[tuple[TensorPlan, _Blocks]] = []
@@ -525,7 +534,7 @@ def scatter_chunk(
             on_device.append((plan, blocks))
         elif not chunk.stream(plan, blocks):
             chunk.jobs.append(partial(_scatter_cpu, plan, blocks, chunk.region_array(plan)))
-    copied = _scatter_device(on_device, chunk) if on_device else 0
+    copied = _scatter_device(on_device, chunk, wait=wait) if on_device else 0
     return copied + chunk.run(store=False)
 
 
@@ -546,11 +555,13 @@ def _scatter_cpu(plan: TensorPlan, blocks: _Blocks, src: np.ndarray) -> int:
     return plan.block_bytes * int(blocks.ids.size)
 
 
-def _scatter_device(pairs: Sequence[tuple[TensorPlan, _Blocks]], chunk: _ChunkCopy) -> int:
+def _scatter_device(
+    pairs: Sequence[tuple[TensorPlan, _Blocks]], chunk: _ChunkCopy, *, wait: bool
+) -> int:
     """torch (CUDA tensors), on the current stream: the entry crosses to the staging
     buffer in one copy (as ``_gather_device``, mirrored), then ``index_copy_``
     scatters each tensor's non-null slots into its blocks. Returns once the stream
-    has run it: the entry may be unpinned, the worker may read its blocks."""
+    has run it (``wait``): the entry may be unpinned, the worker may read its blocks."""
     device = pairs[0][0].view.device
     chunk.staging(device).copy_(chunk.entry_bytes, non_blocking=True)
     copied = 0
@@ -560,5 +571,6 @@ def _scatter_device(pairs: Sequence[tuple[TensorPlan, _Blocks]], chunk: _ChunkCo
             src = src.index_select(plan.dim, chunk.index(blocks, device, slots=True))
         plan.view.index_copy_(plan.dim, chunk.index(blocks, device), src)
         copied += plan.block_bytes * int(blocks.ids.size)
-    _sync_current_stream(device)
+    if wait:
+        _sync_current_stream(device)
     return copied

@@ -26,7 +26,7 @@ import torch
 from connector.device_order import DeviceOrder
 from contract.cuda_ipc import describe
 
-NUM_BLOCKS = 16
+NUM_BLOCKS = 40
 BLOCK_SIZE = 16
 LAYERS = ("model.layers.0.attn", "model.layers.1.attn")
 SLEEP_CYCLES = 200_000_000

@@ -10,6 +10,7 @@ import base64
 import dataclasses
 import logging
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,19 +19,24 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+import app.retrieve
+import app.store
 from connector.device_order import DeviceOrder
 from contract.errors import InvalidRequest
 from contract.schemas import EVENT_HANDLE_BYTES, MemfdTensor, RetrieveRequest, StoreRequest
 from dataplane import device_path, registry, transfer
 from dataplane.descriptors import tensor_geometry
-from dataplane.device_path import HOST_REGISTER_PORTABLE, DevicePath, PoolPinning
+from dataplane.device_path import HOST_REGISTER_PORTABLE, CopyWindow, DevicePath, PoolPinning
 from dataplane.layout import BlockTensorSpec, GroupSpec, chunk_layout
 from dataplane.plans import TensorPlan, make_plan
 from tests.dataplane.support import (
     CacheClient,
     KVFactory,
+    lookup,
     random_tokens,
     register_body,
+    retrieve,
+    store,
     transfer_item,
     vllm_layer,
 )
@@ -345,3 +351,137 @@ def test_the_device_kernels_move_exact_bytes_through_their_staging_buffer(
                 assert torch.equal(d[:, b].view(torch.int16), want.view(torch.int16)), (a, b)
         untouched = [i for i in range(12) if i not in load_ids]
         assert not d[:, untouched].view(torch.int16).any()
+
+
+# ------------------------------------------------------------- the copy window
+
+
+class FakeMarker:
+    """A recorded CUDA event as the window sees it: ``synchronize`` is logged."""
+
+    def __init__(self, log: list[str], name: str, fail: bool = False) -> None:
+        self.log, self.name, self.fail = log, name, fail
+
+    def synchronize(self) -> None:
+        self.log.append(f"wait {self.name}")
+        if self.fail:
+            raise RuntimeError("CUDA error: unspecified launch failure")
+
+
+def _window(log: list[str], fail_at: int | None = None) -> CopyWindow:
+    made = iter(range(100))
+
+    def marker(_device: int) -> FakeMarker:
+        n = next(made)
+        return FakeMarker(log, str(n), fail=n == fail_at)
+
+    return CopyWindow(0, marker=marker)
+
+
+def test_the_window_waits_for_each_chunk_one_chunk_late_and_drains_in_order() -> None:
+    log: list[str] = []
+    window = _window(log)
+    for n in range(3):
+        log.append(f"queue {n}")
+        window.add(lambda n=n: log.append(f"done {n}"))
+    log.append("drain")
+    window.drain()
+    assert log == [
+        "queue 0",
+        "queue 1",
+        "wait 0",  # chunk 0 is waited for only once chunk 1's copies are queued
+        "done 0",
+        "queue 2",
+        "wait 1",
+        "done 1",
+        "drain",
+        "wait 2",
+        "done 2",
+    ]
+
+
+def test_a_failed_wait_undoes_every_chunk_not_done_once_its_copies_stopped() -> None:
+    log: list[str] = []
+    window = _window(log, fail_at=1)
+    window.add(lambda: log.append("done 0"), undo=lambda: log.append("undo 0"))
+    window.add(lambda: log.append("done 1"), undo=lambda: log.append("undo 1"))
+    with pytest.raises(RuntimeError, match="launch failure"):
+        window.add(lambda: log.append("done 2"), undo=lambda: log.append("undo 2"))
+    assert log == ["wait 0", "done 0", "wait 1", "wait 1", "undo 1", "wait 2", "undo 2"]
+    window.drain()  # nothing left
+
+
+def test_without_a_device_the_window_is_not_there() -> None:
+    log: list[str] = []
+    window = CopyWindow(None, marker=lambda _d: pytest.fail("no event on CPU"))
+    window.add(lambda: log.append("done"))
+    assert log == ["done"]
+
+
+@pytest.fixture
+def windowed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Store and retrieve of CPU registrations through the GPU path's window: each
+    chunk's commit (or count) runs one chunk late, as on a GPU."""
+    log: list[str] = []
+
+    def make(_device: int | None) -> CopyWindow:
+        return CopyWindow(0, marker=lambda _d: FakeMarker(log, "chunk"))
+
+    monkeypatch.setattr(app.store, "CopyWindow", make)
+    monkeypatch.setattr(app.retrieve, "CopyWindow", make)
+    return log
+
+
+def test_through_the_window_every_chunk_is_committed_and_loaded(
+    make_client: Any, shm_kv: KVFactory, windowed: list[str]
+) -> None:
+    client = make_client(chunk_size=CHUNK)
+    layers = [vllm_layer("l0", 0, 40), vllm_layer("l1", 0, 40)]
+    a, b = shm_kv(layers), shm_kv(layers)
+    a.fill_random(seed=3)
+    for name, kv in (("a", a), ("b", b)):
+        body = register_body(kv, name, [(0, "attention", 16)], chunk_size=CHUNK)
+        assert client.post("/register", json=body).status_code == 200
+    tokens = random_tokens(3 * CHUNK, seed=4)
+    (stored,) = store(client, "a", transfer_item("p", tokens, [list(range(1, 13))]))
+    assert (stored["stored_chunks"], stored["failed_chunks"]) == (3, 0)
+    assert windowed.count("wait chunk") == 3
+    assert lookup(client, tokens, "q") == 3 * CHUNK
+    (loaded,) = retrieve(client, "b", transfer_item("p", tokens, [list(range(21, 33))]))
+    assert loaded == {"request_id": "p", "loaded_tokens": 3 * CHUNK, "failed_block_ids": []}
+    for layer in layers:
+        for src, dst in zip(range(1, 13), range(21, 33), strict=True):
+            want, got = a.block(layer.name, 0, src), b.block(layer.name, 0, dst)
+            assert torch.equal(want.view(torch.uint8), got.view(torch.uint8)), (src, dst)
+
+
+def test_through_the_window_a_chunk_after_a_late_one_is_never_committed(
+    make_client: Any, shm_kv: KVFactory, windowed: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunk 0's copy is queued, chunk 1's takes past the deadline: chunk 0 is only
+    waited for after that, so it is judged late, and chunk 1 after it is aborted."""
+    client = make_client(chunk_size=CHUNK)
+    kv = shm_kv([vllm_layer("l0", 0, 40)])
+    body = register_body(kv, "a", [(0, "attention", 16)], chunk_size=CHUNK)
+    assert client.post("/register", json=body).status_code == 200
+    real = app.store.gather_chunk
+    calls: list[int] = []
+
+    def slow_second(*args: Any, **kwargs: Any) -> int:
+        calls.append(len(calls))
+        if len(calls) == 2:
+            time.sleep(0.6)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(app.store, "gather_chunk", slow_second)
+    tokens = random_tokens(3 * CHUNK, seed=5)
+    item = transfer_item("p", tokens, [list(range(1, 13))])
+    reply = client.post(
+        "/cache/store", json={"instance_id": "a", "rank": 0, "requests": [item], "timeout_s": 0.5}
+    )
+    (result,) = reply.json()["results"]
+    assert (result["stored_chunks"], result["failed_chunks"]) == (0, 3)
+    assert calls == [0, 1]  # nothing more was copied once one was late
+    assert lookup(client, tokens, "q") == 0
+    stats = client.app.state.runtime.pool.stats()
+    assert (stats.entries, stats.pending, stats.used_bytes) == (0, 0, 0)

@@ -37,8 +37,10 @@ pytestmark = [
 
 CHUNK = 64
 """Four 16-token blocks a chunk."""
-STORED = [1, 2, 3, 4]
-LOADED = [5, 6, 7, 8]
+CHUNKS = 3
+"""Chunks a call moves: the server waits for each while the next one's copy is queued."""
+STORED = list(range(1, 13))
+LOADED = list(range(13, 25))
 
 ClientFactory = Callable[..., CacheClient]
 
@@ -93,7 +95,7 @@ def _register(client: CacheClient, worker: Worker) -> None:
 
 
 def _call(client: CacheClient, path: str, ids: list[int], event: str | None) -> dict[str, Any]:
-    item = transfer_item("req", random_tokens(CHUNK, seed=3), [ids])
+    item = transfer_item("req", random_tokens(CHUNKS * CHUNK, seed=3), [ids])
     body: dict[str, Any] = {"instance_id": "gpu-engine", "rank": 0, "requests": [item]}
     if event is not None:
         body["event_ipc_b64"] = event
@@ -137,20 +139,21 @@ def test_store_and_retrieve_through_the_pinned_pool_on_the_servers_stream(
     assert _pinning(client).wait(timeout_s=120) == "pinned", _pinning(client).reason
     server_stream = client.app.state.runtime.device.stream(0)  # type: ignore[attr-defined]
     streams: list[torch.cuda.Stream] = []  # the stream each chunk's copies ran on
-    sync = transfer._sync_current_stream
+    record = device_path._record_marker
 
-    def spy(device: torch.device) -> None:
+    def spy(device: int) -> Any:
         streams.append(torch.cuda.current_stream(device))
-        sync(device)
+        return record(device)
 
-    monkeypatch.setattr(transfer, "_sync_current_stream", spy)
-    stored = _call(client, "/cache/store", STORED, worker.event(worker.ask("write 1 4 3")))
-    assert stored["stored_chunks"] == 1, stored
+    monkeypatch.setattr(device_path, "_record_marker", spy)
+    monkeypatch.setattr(transfer, "_sync_current_stream", lambda _d: pytest.fail("a chunk sync"))
+    stored = _call(client, "/cache/store", STORED, worker.event(worker.ask("write 1 12 3")))
+    assert stored["stored_chunks"] == CHUNKS, stored
     loaded = _call(client, "/cache/retrieve", LOADED, worker.event(worker.ask("event")))
-    assert loaded["loaded_tokens"] == CHUNK, loaded
-    assert worker.ask("same 1 5 4") == "ok"  # every byte came back
-    assert worker.ask("check 9 4 1.0") == "ok"  # and nothing else was written
-    assert len(streams) == 2 and all(s == server_stream for s in streams)
+    assert loaded["loaded_tokens"] == CHUNKS * CHUNK, loaded
+    assert worker.ask("same 1 13 12") == "ok"  # every byte came back
+    assert worker.ask("check 25 4 1.0") == "ok"  # and nothing else was written
+    assert len(streams) == 2 * CHUNKS and all(s == server_stream for s in streams)
     assert server_stream != torch.cuda.default_stream(0)
 
 
@@ -161,12 +164,12 @@ def test_a_store_waits_for_the_workers_writes_without_a_device_sync(
     _register(client, worker)
     # The worker's fill runs behind a long GPU sleep and nothing synchronises it: only
     # the event orders the server's copy after it.
-    event = worker.event(worker.ask("write 1 4 7"))
+    event = worker.event(worker.ask("write 1 12 7"))
     assert event is not None
-    assert _call(client, "/cache/store", STORED, event)["stored_chunks"] == 1
+    assert _call(client, "/cache/store", STORED, event)["stored_chunks"] == CHUNKS
     loaded = _call(client, "/cache/retrieve", LOADED, worker.event(worker.ask("event")))
-    assert loaded["loaded_tokens"] == CHUNK
-    assert worker.ask("same 1 5 4") == "ok"  # the new bytes were stored, not the old
+    assert loaded["loaded_tokens"] == CHUNKS * CHUNK
+    assert worker.ask("same 1 13 12") == "ok"  # the new bytes were stored, not the old
 
 
 class _FailingCudart:
@@ -195,9 +198,9 @@ def test_when_pinning_fails_copies_go_through_pageable_memory(
         assert _pinning(client).wait(timeout_s=120) == "failed"
     assert any("pool not pinned" in r.getMessage() for r in caplog.records)
     assert "out of memory (cudaError 2)" in (_pinning(client).reason or "")
-    event = worker.event(worker.ask("write 1 4 5"))
-    assert _call(client, "/cache/store", STORED, event)["stored_chunks"] == 1
+    event = worker.event(worker.ask("write 1 12 5"))
+    assert _call(client, "/cache/store", STORED, event)["stored_chunks"] == CHUNKS
     loaded = _call(client, "/cache/retrieve", LOADED, worker.event(worker.ask("event")))
-    assert loaded["loaded_tokens"] == CHUNK
-    assert worker.ask("same 1 5 4") == "ok"
-    assert worker.ask("check 9 4 1.0") == "ok"
+    assert loaded["loaded_tokens"] == CHUNKS * CHUNK
+    assert worker.ask("same 1 13 12") == "ok"
+    assert worker.ask("check 25 4 1.0") == "ok"
