@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # The server's own settings (MPCACHE_HOST, MPCACHE_PORT, ...) apply to `make serve`.
 
-.PHONY: venv e2e-venv redis serve test test-fast lint openapi docs bench clean
+.PHONY: venv e2e-venv redis serve test test-fast lint openapi docs bench gpu-check clean
 
 venv:
 	@bash scripts/bootstrap_venv.sh
@@ -59,6 +59,16 @@ bench: venv e2e-venv
 	$(PY) bench/l2_bench.py
 	$(PY) bench/client_call_bench.py
 	$(PY) bench/ttft_bench.py
+
+# Everything that needs a CUDA GPU: every `cuda`-marked test, then bench/gpu_bench.py
+# (GB/s of the store and retrieve copy path against a plain copy; target >= 0.9). The
+# dev venv's torch is the CPU build, so GPU_PY names a Python with a CUDA torch and
+# requirements/dev.txt; with no GPU it stops at once with one line saying why.
+GPU_PY ?= $(PY)
+gpu-check:
+	@$(GPU_PY) scripts/gpu_preflight.py
+	$(GPU_PY) -m pytest -q -m cuda -p no:cacheprovider
+	$(GPU_PY) bench/gpu_bench.py --rounds 7
 
 clean:
 	rm -f $(VENV) .venv-e2e

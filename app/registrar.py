@@ -9,6 +9,7 @@ from app.telemetry import Telemetry
 from contract.errors import ChunkSizeMismatch, InvalidDescriptor
 from contract.schemas import RegisterRequest, RegisterResponse
 from dataplane.descriptors import Redeemed
+from dataplane.device_path import DevicePath
 from dataplane.fdgate import FdGate
 from dataplane.registry import Registry, build_registration, memfd_tickets
 
@@ -34,10 +35,12 @@ class Registrar:
         registry: Registry,
         telemetry: Telemetry,
         gate: FdGate | None = None,
+        device: DevicePath | None = None,
     ) -> None:
         self._chunk_size = chunk_size
         self._registry = registry
         self._gate = gate
+        self._device = device
         self._register_seconds = telemetry.op_seconds.labels("register")
         self._unregister_seconds = telemetry.op_seconds.labels("unregister")
 
@@ -86,6 +89,8 @@ class Registrar:
         refreshed = self._registry.add(
             reg, token=token, alive=gate.alive if gate is not None else None
         )
+        if self._device is not None:
+            self._device.registered(reg)  # a GPU's: the pool starts pinning for DMA
         peer = gate.peer(reg.conn_id) if gate is not None and reg.conn_id is not None else None
         logger.info(
             "%s instance %r rank %d: %d tensors, %d bytes per chunk%s",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -13,6 +14,7 @@ from app.l2 import CorruptValue, L2Tier, decode_value
 from app.telemetry import Telemetry
 from app.transfers import CheckedItem, TransferCall, Transfers
 from contract.schemas import RetrieveRequest, RetrieveResponse, RetrieveResult
+from dataplane.device_path import CopyWindow
 from dataplane.layout import slot_mask
 from dataplane.pool import Entry, Pool
 from dataplane.registry import Registration
@@ -149,22 +151,30 @@ class Retrieve:
 
     def _load(self, call: TransferCall, it: CheckedItem, pinned: _Pinned) -> tuple[int, bool]:
         """Write the pinned parts into the caller's blocks, in order: how many were
-        written, and whether the deadline stopped it."""
-        loaded = copied = 0
+        written, and whether the deadline stopped it. A GPU registration's chunks
+        count once their copies have run on the server's stream, each while the next
+        one's is queued (``CopyWindow``); every copy has run when this returns, so
+        the entries may be unpinned."""
+        done: list[int] = []
+        copied = 0
         cut = False
-        for part, entry in pinned:
-            if call.deadline.passed():
-                # The client has given up and may reuse its blocks: write no more.
-                cut = True
-                break
-            try:
+        window = CopyWindow(call.reg.cuda_device)
+        try:
+            for n, (part, entry) in enumerate(pinned):
+                if call.deadline.passed():
+                    # The client has given up and may reuse its blocks: write no more.
+                    cut = True
+                    break
+                view = self._pool.view(entry)
                 copied += scatter_chunk(
-                    call.reg.plans, part.ids, self._pool.view(entry), self._copier
+                    call.reg.plans, part.ids, view, self._copier, wait=window.device is None
                 )
-            except Exception:
-                logger.exception("retrieve of %r failed at a chunk", it.item.request_id)
-                break
-            loaded += 1
+                window.add(partial(done.append, n))
+            window.drain()
+        except Exception:
+            window.abandon()
+            logger.exception("retrieve of %r failed at a chunk", it.item.request_id)
+        loaded = len(done)
         self._telemetry.copied_bytes.labels("retrieve").inc(copied)
         self._telemetry.chunks_loaded.inc(loaded)
         return loaded, cut

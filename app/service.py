@@ -40,6 +40,7 @@ from contract.schemas import (
     StoreRequest,
     StoreResponse,
 )
+from dataplane.device_path import DevicePath
 from dataplane.fdgate import FdGate
 from dataplane.pool import DropReason, Entry, Pool
 from dataplane.registry import Registry
@@ -72,6 +73,7 @@ class CacheService:
         gate: FdGate | None = None,
         clock: Callable[[], float] = time.monotonic,
         l2: L2Tier | None = None,
+        device: DevicePath | None = None,
     ) -> None:
         self._chunk_size = chunk_size
         self._hasher = hasher
@@ -91,6 +93,7 @@ class CacheService:
             sessions=sessions,
             registry=registry,
             telemetry=telemetry,
+            device=device,
             clock=clock,
         )
         self._store = Store(
@@ -112,7 +115,7 @@ class CacheService:
             l2=l2,
         )
         self._registrar = Registrar(
-            chunk_size=chunk_size, registry=registry, telemetry=telemetry, gate=gate
+            chunk_size=chunk_size, registry=registry, telemetry=telemetry, gate=gate, device=device
         )
         self._end_seconds = telemetry.op_seconds.labels("end")
         self._blend_seconds = telemetry.op_seconds.labels("blend_match")

@@ -156,6 +156,13 @@ class Settings(BaseSettings):
     pool_prefault: bool = Field(
         True, description="Populate the pool's pages in the background at start."
     )
+    pin_pool: bool = Field(
+        True,
+        description="Page-lock the pool for DMA (cudaHostRegister) once a GPU KV cache "
+        "registers, so GPU copies move at the link's bandwidth; it pins the whole pool "
+        "in RAM. Off, or where pinning fails (logged), GPU copies go through pageable "
+        "memory.",
+    )
     lease_ttl_s: float = Field(
         30.0, ge=0, description="Seconds a lookup keeps its hits from eviction (0: never)."
     )

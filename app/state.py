@@ -41,6 +41,7 @@ from contract.kernels import KernelUnavailable
 from contract.schemas import ClusterHealth, ClusterMember, ClusterResponse
 from contract.shm_naming import segment_name
 from dataplane import blockcopy, key_index
+from dataplane.device_path import DevicePath, PoolPinning
 from dataplane.fdgate import FdGate, default_socket_path
 from dataplane.pool import Pool
 from dataplane.registry import Registry
@@ -77,6 +78,8 @@ class Runtime:
     copier: CopyPool
     gate: FdGate
     lookup_areas: LookupAreas
+    device: DevicePath
+    """The GPU path: the pool pinned for DMA, the server's CUDA streams."""
     key_index: key_index.KeyIndex | None = None
     """Published for connectors on this host (``GET /cache/key-index``); None when off."""
     parser: BodyParser = field(default_factory=BodyParser)
@@ -156,6 +159,7 @@ class Runtime:
             self.registry.close()
         finally:
             self.copier.close()
+            self.device.close()  # unpinned before the pool is unmapped
             self.pool.close()
             if self.key_index is not None:
                 self.key_index.close()
@@ -382,6 +386,7 @@ def _assemble(
     kernel, kernel_note = _block_kernel(settings.block_kernel)
     copier = CopyPool(threads, kernel)
     registry = Registry()
+    device = DevicePath(PoolPinning(pool.address, pool.capacity_bytes, enabled=settings.pin_pool))
     socket_path = settings.register_socket or default_socket_path(settings.port)
     areas: LookupAreas | None = None
 
@@ -412,6 +417,7 @@ def _assemble(
             copier=copier,
             gate=gate,
             l2=l2,
+            device=device,
         )
         if settings.pool_prefault:
             pool.start_prefault()
@@ -432,6 +438,7 @@ def _assemble(
             copier=copier,
             gate=gate,
             lookup_areas=areas,
+            device=device,
             key_index=index,
             l2=l2,
             copy_rates=copy_rates,

@@ -11,11 +11,35 @@ from app.pool_pressure import PoolPressureLog
 from app.telemetry import Telemetry
 from app.transfers import CheckedItem, TransferCall, Transfers
 from contract.schemas import StoreRequest, StoreResponse, StoreResult
+from dataplane.device_path import CopyWindow
 from dataplane.layout import slot_mask
 from dataplane.pool import PRESENT, Entry, Pool
 from dataplane.transfer import CopyPool, gather_chunk
 
 __all__ = ["Store"]
+
+_KEPT = ("stored", "present")
+
+
+class _Outcomes:
+    """Each chunk's outcome, in the item's order: ``stored``, ``present``, ``full``
+    (no room) or ``late`` (the deadline passed). A chunk whose GPU copy is still
+    queued reads ``stored`` until its copy has run and it is committed, or ``late``
+    then (``CopyWindow``)."""
+
+    def __init__(self) -> None:
+        self.each: list[str] = []
+
+    def begin(self) -> int:
+        self.each.append("stored")
+        return len(self.each) - 1
+
+    def first_failure(self) -> int | None:
+        return next((n for n, o in enumerate(self.each) if o not in _KEPT), None)
+
+    def failed_before(self, n: int) -> bool:
+        first = self.first_failure()
+        return first is not None and first < n
 
 
 class Store:
@@ -29,6 +53,9 @@ class Store:
     checked before copying each chunk and again after, before commit: a chunk whose
     copy ended late is aborted, never made visible (the client may have reused those
     blocks while it was copied); what is left once it has passed is reported failed.
+    A GPU registration's chunks commit once their copies have run on the server's
+    stream, each while the next one's copy is queued (``CopyWindow``); a chunk whose
+    predecessor failed is aborted, never committed.
     A committed chunk joins the CacheBlend index (when enabled) and, with an L2 tier,
     is queued for write-behind.
     """
@@ -74,39 +101,51 @@ class Store:
         todo = [(chunk, 0) for chunk in chunks]
         if units and tail <= len(keys):
             todo.append((tail, units))
-        counts = {"stored": 0, "present": 0}
-        failed = copied = 0
-        timed_out = False
-        for n, (chunk, units) in enumerate(todo):
-            outcome, nbytes = self._store_chunk(call, it, keys, chunk, units)
-            copied += nbytes
-            if outcome in counts:
-                counts[outcome] += 1
-                continue
-            failed = len(todo) - n
-            if outcome == "full":
-                self._pressure.not_stored(failed)
-            timed_out = outcome == "late"
-            break
-        self._telemetry.chunks_stored.inc(counts["stored"])
+        outcomes = _Outcomes()
+        window = CopyWindow(call.reg.cuda_device)
+        copied = 0
+        try:
+            for chunk, units in todo:
+                copied += self._store_chunk(call, it, keys, chunk, units, window, outcomes)
+                if outcomes.first_failure() is not None:
+                    break
+            window.drain()
+        except BaseException:
+            window.abandon()
+            raise
+        first = outcomes.first_failure()
+        kept = outcomes.each if first is None else outcomes.each[:first]
+        failed = 0 if first is None else len(todo) - first
+        if first is not None and outcomes.each[first] == "full":
+            self._pressure.not_stored(failed)
+        stored = kept.count("stored")
+        self._telemetry.chunks_stored.inc(stored)
         self._telemetry.copied_bytes.labels("store").inc(copied)
         result = StoreResult(
             request_id=it.item.request_id,
-            stored_chunks=counts["stored"],
-            present_chunks=counts["present"],
+            stored_chunks=stored,
+            present_chunks=kept.count("present"),
             failed_chunks=failed,
         )
-        return result, timed_out
+        return result, first is not None and outcomes.each[first] == "late"
 
     def _store_chunk(
-        self, call: TransferCall, it: CheckedItem, keys: Sequence[bytes], chunk: int, units: int
-    ) -> tuple[str, int]:
-        """Store one chunk (``units`` 0), or the tail of its first ``units`` units:
-        ``(outcome, bytes copied)``, the outcome ``stored``, ``present``, ``full`` (no
-        room) or ``late`` (the deadline passed)."""
+        self,
+        call: TransferCall,
+        it: CheckedItem,
+        keys: Sequence[bytes],
+        chunk: int,
+        units: int,
+        window: CopyWindow,
+        outcomes: _Outcomes,
+    ) -> int:
+        """Store one chunk (``units`` 0), or the tail of its first ``units`` units; its
+        outcome goes to ``outcomes`` (``_Outcomes``). Returns the bytes copied."""
         reg, size = call.reg, call.chunk_size
+        n = outcomes.begin()
         if call.deadline.passed():
-            return "late", 0
+            outcomes.each[n] = "late"
+            return 0
         ids = it.tail_ids(reg, chunk, units) if units else it.chunk_ids(reg, chunk)
         mask = slot_mask(ids)
         unit_keys = self._unit_keys(call, it, keys, chunk, units)
@@ -127,24 +166,35 @@ class Store:
             unit_keys=unit_keys,
         )
         if entry == PRESENT:
-            return "present", 0
+            outcomes.each[n] = "present"
+            return 0
         if entry is None:
-            return "full", 0
+            outcomes.each[n] = "full"
+            return 0
         assert isinstance(entry, Entry)
         copied = 0
         try:
             if mask:
-                copied = gather_chunk(reg.plans, ids, self._pool.view(entry), self._copier)
+                view = self._pool.view(entry)
+                copied = gather_chunk(
+                    reg.plans, ids, view, self._copier, wait=window.device is None
+                )
         except BaseException:
             self._pool.abort(entry)
             raise
-        if call.deadline.passed():
-            # The client has given up and may have reused these blocks while they
-            # were copied: the bytes may be torn, so they are never committed.
-            self._pool.abort(entry)
-            return "late", copied
-        self._commit(call, it, None if units else keys[chunk], entry, mask, content_key)
-        return "stored", copied
+
+        def done() -> None:  # the chunk's copies have run
+            if outcomes.failed_before(n) or call.deadline.passed():
+                # The client has given up and may have reused these blocks while they
+                # were copied (or a chunk before this one failed): the bytes may be
+                # torn or useless, so they are never committed.
+                self._pool.abort(entry)
+                outcomes.each[n] = "late"
+                return
+            self._commit(call, it, None if units else keys[chunk], entry, mask, content_key)
+
+        window.add(done, undo=lambda: self._pool.abort(entry))
+        return copied
 
     def _unit_keys(
         self, call: TransferCall, it: CheckedItem, keys: Sequence[bytes], chunk: int, units: int

@@ -2,7 +2,9 @@
 
 ``Transfers.call`` is the prelude of both paths (``app.store``, ``app.retrieve``):
 the final chunk size, the call's deadline, admission (refused once shutdown began),
-the caller's registration held, every item checked before anything is copied.
+the caller's registration held, every item checked before anything is copied, and
+for a GPU registration the copies ordered after the worker's event on the server's
+stream (``dataplane.device_path``).
 ``CheckedItem`` gives each item's chunk range and per-chunk block ids.
 """
 
@@ -24,6 +26,7 @@ from app.telemetry import Telemetry
 from app.units import check_unit, tail_units
 from contract.errors import InvalidRequest, Unavailable
 from contract.schemas import RetrieveRequest, StoreRequest, TransferItem
+from dataplane.device_path import DevicePath
 from dataplane.layout import chunk_block_ids
 from dataplane.registry import Registration, Registry
 
@@ -184,12 +187,14 @@ class Transfers:
         sessions: SessionManager,
         registry: Registry,
         telemetry: Telemetry,
+        device: DevicePath | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._chunk_size = chunk_size
         self._sessions = sessions
         self._registry = registry
         self._telemetry = telemetry
+        self._device = device or DevicePath()
         self._clock = clock  # deadlines: the clock ``received_at`` stamps are taken on
         self._stopping = threading.Event()
         self._in_flight = 0
@@ -209,7 +214,9 @@ class Transfers:
         size = self._chunk_size.final().chunk_size
         deadline = self.deadline(req.timeout_s, received_at)
         with self.admit(op), self._registry.acquire(req.instance_id, req.rank, token) as reg:
-            yield TransferCall(reg, size, deadline, check_items(reg, req.requests, size))
+            items = check_items(reg, req.requests, size)
+            with self._device.ordered(reg, req.event_ipc_b64):
+                yield TransferCall(reg, size, deadline, items)
 
     def keys(self, call: TransferCall, it: CheckedItem) -> tuple[list[bytes], range]:
         """The item's chunk keys (its session opened or touched) and its chunk range."""

@@ -120,6 +120,8 @@ class KVRegistration:
         self.segments: list[MemfdKVSegment] = []
         self.channel = RegistrationChannel(timeout_s)
         self.uses_cuda = False
+        self.cuda_device: torch.device | None = None
+        """The GPU the KV caches are on, once described (None: CPU)."""
 
     # ------------------------------------------------------------------ build
 
@@ -169,6 +171,7 @@ class KVRegistration:
         view, block_dim = block_view(tensor, self._num_blocks)
         if view.device.type == "cuda":
             self.uses_cuda = True
+            self.cuda_device = view.device
             return describe_cuda_tensor(view, block_dim)  # Note [mpcache CUDA IPC invariants]
         if view.device.type != "cpu":
             raise LayoutError(f"KV tensors on {view.device} are not supported")

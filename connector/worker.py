@@ -28,11 +28,10 @@ import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-import torch
-
 from connector.alignment import KVLayout
 from connector.client import AsyncControlClient, TransportFactory
 from connector.config import ConnectorConfig
+from connector.device_order import DeviceOrder
 from connector.errors import ConnectorError, SegmentError, ServerError, StartupError
 from connector.heartbeat import AsyncTransportFactory, Heartbeat
 from connector.lanes import Job, Lane, LoadLedger, LoadOutcome, StoreLedger
@@ -155,6 +154,7 @@ class WorkerAdapter:
             num_blocks=num_blocks,
             timeout_s=config.request_timeout_s,
         )
+        self._device_order = DeviceOrder(self._registration)
         self._load_ledger = LoadLedger()
         self._store_ledger = StoreLedger()
         self._load_lane = Lane(f"mpcache-load-{rank}", max_queued=MAX_QUEUED_LOADS)
@@ -269,9 +269,9 @@ class WorkerAdapter:
         if self.link.call_failed(what, exc, force=force):
             self.heartbeat.wake()
 
-    def _sync_device(self) -> None:
-        if self._registration.uses_cuda:
-            torch.cuda.current_stream().synchronize()  # Note [mpcache CUDA IPC invariants]
+    def _device_event(self) -> str | None:
+        """The event handle this call sends (Note [mpcache CUDA IPC invariants], rule 5)."""
+        return self._device_order.handle()
 
     # ------------------------------------------------------------------- loads
 
@@ -314,8 +314,8 @@ class WorkerAdapter:
             rank=self.server_rank,
             requests=[op.to_item(self.namespace) for op in loads],
             timeout_s=server_budget_s(self.config.request_timeout_s),
+            event_ipc_b64=self._device_event(),
         )
-        self._sync_device()
         job = Job(lambda job: self._run_load(loads, body), _ids(loads))
         return self._load_lane.submit(job)
 
@@ -410,8 +410,8 @@ class WorkerAdapter:
             rank=self.server_rank,
             requests=[op.to_item(self.namespace) for op in stores],
             timeout_s=server_budget_s(self.config.request_timeout_s),
+            event_ipc_b64=self._device_event(),
         )
-        self._sync_device()
         self._store_ledger.begin(ids)
         job = Job(lambda job: self._run_store(job, body), ids)
         if not self._store_lane.submit(job):

@@ -29,11 +29,29 @@ connector and the server both follow them; the consumer's half (``rebuild``) is
 # 4. Bounds. Handles are opaque and can't be checked; the tensor view is checked
 #    against ``storage_size_bytes`` before it is rebuilt, and rebuilt tensors are
 #    never resized (torch's invariant 2).
-# 5. Ordering. The producer's writes must be complete (its stream synchronised)
-#    before it asks the server to store; the server synchronises its own copies
-#    before replying to a retrieve, so the worker reads finished data.
+# 5. Ordering, without a device-wide sync. A store reads, and a retrieve overwrites,
+#    blocks the producer's kernels use on its own stream. The producer records an
+#    interprocess event (``torch.cuda.Event(interprocess=True)``) on its current
+#    stream once the work the call must follow is enqueued, and sends the event's
+#    IPC handle with the call (``event_ipc_b64``; ``connector.device_order``). The
+#    server opens it once per registration (``dataplane.cuda_ipc.open_event``), makes
+#    its own stream for that GPU wait for it (``cudaStreamWaitEvent``: a wait on the
+#    GPU, the producer's step does not stop), copies on that stream, and waits for
+#    its own copies (an event after each chunk, then the stream), never the device,
+#    before it commits a stored chunk or replies (``dataplane.device_path``), so the
+#    worker reads finished data. The producer may
+#    re-record the same event for a later call: a wait that sees the later record
+#    waits for more work, never for less. A call without a handle leaves the
+#    ordering to the producer, which must have synchronised its stream first (the
+#    fallback where interprocess events cannot be made).
 # 6. Nothing here runs at import time and nothing initialises CUDA until a
 #    ``cuda_ipc`` descriptor is registered.
+# 7. DMA. Once a ``cuda_ipc`` registration exists the server page-locks its pool
+#    (``cudaHostRegister``, portable to every GPU) so the copies of rule 5 are DMA
+#    straight between GPU memory and pool pages; it unregisters it before the pool
+#    is unmapped. Until that is done, or where it fails (logged with its reason),
+#    the same copies go through pageable memory: slower, equally correct
+#    (``dataplane.device_path.PoolPinning``).
 
 from __future__ import annotations
 

@@ -62,6 +62,8 @@ from contract.tokens import decode_tokens, encode_tokens
 __all__ = [
     "BASE64_PATTERN",
     "DTYPE_NAMES",
+    "EVENT_HANDLE_BYTES",
+    "EVENT_HANDLE_PATTERN",
     "MAX_BLOCKS_PER_GROUP",
     "MAX_GROUPS",
     "MAX_ITEMS",
@@ -154,6 +156,13 @@ TOKENS_B64_PATTERN = (
 Sixteen characters hold three ids; the characters that carry an id's sign bit (the
 top bit of its fourth byte: the 5th, 10th and 15th of the sixteen) are limited to
 those whose bit is clear; the tail holds one id (``==``) or two (``=``)."""
+
+EVENT_HANDLE_BYTES = 64
+"""Bytes of a ``cudaIpcEventHandle_t`` (``CUDA_IPC_HANDLE_SIZE``)."""
+EVENT_HANDLE_PATTERN = r"^[A-Za-z0-9+/]{85}[AQgw]==$"
+"""Base64 of exactly ``EVENT_HANDLE_BYTES`` bytes: 85 free characters, then one whose
+low four bits are zero (the last byte's final bits) and the padding, so every
+string the pattern admits decodes to one whole handle."""
 
 DTYPE_NAMES = (
     "float32",
@@ -910,6 +919,20 @@ class _TransferBatch(_Body):
             "writes no further block (the client may already have reused its blocks); "
             "the chunks left are reported failed. Clients should send somewhat less than "
             "their own timeout, to allow for transit."
+        ),
+    )
+    event_ipc_b64: str | None = Field(
+        None,
+        min_length=88,
+        max_length=88,
+        pattern=EVENT_HANDLE_PATTERN,
+        description=(
+            "GPU registrations only: the IPC handle (base64 of a cudaIpcEventHandle_t) of "
+            "a CUDA event the worker recorded on its stream after the writes this call "
+            "reads or overwrites. The server's copies wait for it on the server's own "
+            "stream, so the worker need not synchronise its device first. Refused for a "
+            "registration of CPU tensors. Without it, the worker must have synchronised "
+            "(Note [mpcache CUDA IPC invariants], rule 5)."
         ),
     )
 

@@ -1,4 +1,5 @@
-"""The server's half of CUDA IPC: open a worker's GPU tensor (``rebuild``).
+"""The server's half of CUDA IPC: open a worker's GPU tensor (``rebuild``) and the
+event a call's copies wait for (``open_event``).
 
 Every rule it follows is Note [mpcache CUDA IPC invariants] in ``contract.cuda_ipc``
 (the producer's half, ``describe``, lives there too). Nothing here runs at import
@@ -14,10 +15,10 @@ import torch
 
 from contract.cuda_ipc import device_uuid, normalise_uuid
 from contract.errors import InvalidDescriptor
-from contract.schemas import CudaIpcTensor
+from contract.schemas import EVENT_HANDLE_BYTES, CudaIpcTensor
 from dataplane.descriptors import TensorGeometry
 
-__all__ = ["cuda_available", "device_index_for_uuid", "rebuild"]
+__all__ = ["cuda_available", "device_index_for_uuid", "open_event", "rebuild"]
 
 
 def cuda_available() -> bool:
@@ -90,3 +91,26 @@ def rebuild(desc: CudaIpcTensor, geo: TensorGeometry, where: str = "tensor") -> 
             f"{where}: cannot open the CUDA IPC handle: {exc}", reason="bad-handle"
         ) from exc
     return tensor
+
+
+def open_event(handle_b64: str, device: int) -> torch.cuda.Event:
+    """Open a worker's interprocess CUDA event on ``device`` (see the note, rule 5).
+
+    The schema admits only base64 of one whole handle; the length is checked again
+    here, where the bytes are handed to CUDA."""
+    handle = _b64("event_ipc_b64", handle_b64, "the call's event")
+    if len(handle) != EVENT_HANDLE_BYTES:
+        raise InvalidDescriptor(
+            f"event_ipc_b64 holds {len(handle)} bytes, not a {EVENT_HANDLE_BYTES}-byte "
+            "cudaIpcEventHandle_t",
+            reason="bad-handle",
+        )
+    try:
+        event: torch.cuda.Event = torch.cuda.Event.from_ipc_handle(  # type: ignore[no-untyped-call]
+            device, handle
+        )
+        return event
+    except RuntimeError as exc:  # torch reports CUDA failures as RuntimeError
+        raise InvalidDescriptor(
+            f"cannot open the call's CUDA event (event_ipc_b64): {exc}", reason="bad-handle"
+        ) from exc

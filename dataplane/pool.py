@@ -334,6 +334,7 @@ class Pool:
         self._bytes: torch.Tensor | None = torch.frombuffer(
             segment.buffer, dtype=torch.uint8, count=self.capacity_bytes
         )
+        self.address = int(self._bytes.data_ptr())  # its first byte: pinned for DMA by the GPU path
         self._alloc = PageAllocator(num_pages)
         # The visible entries, least recently used first: one mapping is both the
         # index and the LRU order, so a hit costs one probe (``move_to_end``).

@@ -60,6 +60,11 @@ class Registration:
     users: int = 0
     retired: bool = False
     released: bool = field(default=False)
+    cuda_device: int | None = None
+    """This process's ordinal of the GPU the tensors are on; None: CPU tensors."""
+    events: dict[str, torch.cuda.Event] = field(default_factory=dict, repr=False)
+    """The worker's CUDA events opened for its calls (``dataplane.device_path``),
+    by handle; closed with the registration."""
 
     @property
     def chunk_bytes(self) -> int:
@@ -79,6 +84,7 @@ class Registration:
             return
         self.released = True
         self.plans = ()
+        self.events = {}
         if self.mapping is not None:
             self.mapping.close()
             self.mapping = None
@@ -110,6 +116,13 @@ def build_registration(req: RegisterRequest, redeemed: Redeemed | None) -> Regis
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc
     plans, mapping = _open(checked, layout, redeemed)
+    try:
+        device = _one_device(plans)
+    except InvalidRequest:
+        if mapping is not None:
+            plans = ()
+            mapping.close()
+        raise
     return Registration(
         instance_id=req.instance_id,
         rank=req.rank,
@@ -119,7 +132,22 @@ def build_registration(req: RegisterRequest, redeemed: Redeemed | None) -> Regis
         plans=plans,
         group_num_blocks=_group_num_blocks(len(groups), specs, layout),
         mapping=mapping,
+        cuda_device=device,
     )
+
+
+def _one_device(plans: tuple[TensorPlan, ...]) -> int | None:
+    """The GPU every tensor is on (None: all on the CPU); a registration is one
+    worker's, whose KV cache is on one device, and its copies are ordered per GPU
+    (``dataplane.device_path``)."""
+    devices = {p.view.device for p in plans}
+    if len(devices) > 1:
+        raise InvalidRequest(
+            "a registration's tensors must all be on one device (every CPU tensor, or "
+            f"every tensor on one GPU); these are on {sorted(map(str, devices))}"
+        )
+    (device,) = devices
+    return None if device.type == "cpu" else int(device.index or 0)
 
 
 @dataclass(frozen=True)

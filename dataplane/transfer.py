@@ -9,8 +9,11 @@ kernel follows from its ``TensorPlan`` (``dataplane.plans``) and its block ids:
 - CPU, ids in runs (as vLLM hands out fresh blocks): one numpy slice copy per run;
 - CPU, scattered ids: the streaming block kernel (``dataplane.blockcopy``) when the
   ``CopyPool`` has one, else one numpy index kernel per tensor;
-- CUDA: torch on the device, with one transfer per tensor between the pool and a
-  contiguous device buffer.
+- CUDA: torch on the device, on the current stream (the server's own,
+  ``dataplane.device_path``): the chunk's tensors are gathered into (or scattered
+  out of) a staging buffer laid out as the entry, which crosses to the pool in one
+  asynchronous copy (one DMA where the pool is pinned); the stream, never the
+  device, is synchronised before the call returns.
 
 Why each was chosen is on the functions that run it; bench/dataplane_bench.py
 measures them. Null blocks: on store their slot is filled from block 0 (always a
@@ -278,6 +281,7 @@ class _ChunkCopy:
         "_group_ids",
         "_indices",
         "_select",
+        "_staging",
         "_streams",
         "_typed",
         "entry_bytes",
@@ -302,6 +306,7 @@ class _ChunkCopy:
         self._array: np.ndarray | None = None
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._indices: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._staging: torch.Tensor | None = None
 
     def blocks(self, group: int) -> _Blocks:
         blocks = self._blocks.get(group)
@@ -329,21 +334,35 @@ class _ChunkCopy:
             self._array = self.entry_bytes.numpy()
         return plan.region_array(self._array)
 
-    def region_tensor(self, plan: TensorPlan) -> torch.Tensor:
-        """``plan``'s region of the entry, in the plan's dtype (CUDA plans)."""
+    def staging(self, device: torch.device) -> torch.Tensor:
+        """The chunk's staging buffer on ``device``: as many bytes as the entry, made
+        on the current stream (the caching allocator reuses it only on that stream,
+        after the copies queued there). A registration's tensors are on one device
+        (``dataplane.registry``), so a chunk has one."""
+        if self._staging is None:
+            self._staging = torch.empty(self.entry_bytes.numel(), dtype=torch.uint8, device=device)
+        return self._staging
+
+    def staged_region(self, plan: TensorPlan) -> torch.Tensor:
+        """``plan``'s region of the staging buffer, in the plan's dtype (CUDA plans)."""
         dtype = plan.view.dtype
         typed = self._typed.get(dtype)
         if typed is None:
-            typed = self._typed[dtype] = self.entry_bytes.view(dtype)
+            typed = self._typed[dtype] = self.staging(plan.view.device).view(dtype)
         return plan.region_in(typed)
 
-    def index(self, blocks: _Blocks, device: torch.device) -> torch.Tensor:
-        """``blocks.ids`` as an index tensor on ``device`` (one per group and device)."""
-        key = (blocks.group, device)
+    def index(self, blocks: _Blocks, device: torch.device, *, slots: bool = False) -> torch.Tensor:
+        """``blocks.ids`` (``slots``: ``blocks.slot_array()``) as an index tensor on
+        ``device`` (one per group and device). To a GPU it goes from pinned memory,
+        asynchronously on the current stream (torch keeps the pinned block until the
+        copy has run)."""
+        key = (blocks.group * 2 + slots, device)
         idx = self._indices.get(key)
         if idx is None:
-            idx = torch.from_numpy(blocks.ids)
-            idx = self._indices[key] = idx if device.type == "cpu" else idx.to(device)
+            idx = torch.from_numpy(blocks.slot_array() if slots else blocks.ids)
+            if device.type != "cpu":
+                idx = idx.pin_memory().to(device, non_blocking=True)
+            self._indices[key] = idx
         return idx
 
     def run(self, *, store: bool) -> int:
@@ -408,6 +427,12 @@ def _stream_rows(kernel: BlockCopier, src: np.ndarray, dst: np.ndarray, block_by
     return int(src.size) * block_bytes
 
 
+def _sync_current_stream(device: torch.device) -> None:
+    """Wait for what this thread queued on ``device``'s current stream: the server's
+    own in a call (``dataplane.device_path``); never a device-wide sync."""
+    torch.cuda.current_stream(device).synchronize()
+
+
 def _at(dim: int, start: int, n: int) -> tuple[slice, ...]:
     """Index of ``n`` blocks from ``start`` along ``dim``."""
     return (*(slice(None),) * dim, slice(start, start + n))
@@ -421,19 +446,25 @@ def gather_chunk(
     group_ids: Sequence[np.ndarray],
     entry_bytes: torch.Tensor,
     pool: CopyPool = _SERIAL,
+    *,
+    wait: bool = True,
 ) -> int:
     """Copy one chunk's blocks (``group_ids[g]``, nulls read block 0) into an entry.
 
-    Returns the bytes copied. CPU tensors are split across ``pool``'s lanes.
+    Returns the bytes copied. CPU tensors are split across ``pool``'s lanes; CUDA
+    copies run on the current stream, synchronised (that stream only) before
+    returning, or, with ``wait`` False, only queued there: the caller waits for them
+    (``dataplane.device_path.CopyWindow``) before the entry counts as written.
     """
     chunk = _ChunkCopy(group_ids, entry_bytes, pool, _every_slot)
-    copied = 0
+    on_device: list[tuple[TensorPlan, _Blocks]] = []
     for plan in plans:
         blocks = chunk.blocks(plan.region.group_index)
         if plan.array is None:
-            copied += _gather_device(plan, blocks, chunk)
+            on_device.append((plan, blocks))
         elif not chunk.stream(plan, blocks):
             chunk.jobs.append(partial(_gather_cpu, plan, blocks, chunk.region_array(plan)))
+    copied = _gather_device(on_device, chunk, wait=wait) if on_device else 0
     return copied + chunk.run(store=True)
 
 
@@ -455,19 +486,24 @@ def _gather_cpu(plan: TensorPlan, blocks: _Blocks, dst: np.ndarray) -> int:
     return plan.region.nbytes
 
 
-def _gather_device(plan: TensorPlan, blocks: _Blocks, chunk: _ChunkCopy) -> int:
-    """torch (CUDA tensors): gathered on the device (``index_select``), then one
-    copy per tensor crosses to the pool. Pinning the pool (``cudaHostRegister``) so
-    that crossing is DMA rather than staged through pageable memory is the next
-    step; it needs a GPU to be measured."""
-    dst = chunk.region_tensor(plan)
-    d = plan.dim
-    if blocks.runs is not None:
-        for slot, block, n in blocks.runs:
-            dst.narrow(d, slot, n).copy_(plan.view.narrow(d, block, n))
-    else:
-        dst.copy_(plan.view.index_select(d, chunk.index(blocks, plan.view.device)))
-    return plan.region.nbytes
+def _gather_device(
+    pairs: Sequence[tuple[TensorPlan, _Blocks]], chunk: _ChunkCopy, *, wait: bool
+) -> int:
+    """torch (CUDA tensors), on the current stream: each tensor's blocks gathered on
+    the device into its region of the staging buffer (``index_select``, one kernel a
+    tensor, runs or not), then the buffer crosses to the entry in one copy: one DMA
+    a chunk where the pool is pinned, at the link's bandwidth (a copy a tensor would
+    cost a transfer's overhead each). Returns once the stream has run it (``wait``)."""
+    device = pairs[0][0].view.device
+    copied = 0
+    for plan, blocks in pairs:
+        index = chunk.index(blocks, device)
+        torch.index_select(plan.view, plan.dim, index, out=chunk.staged_region(plan))
+        copied += plan.region.nbytes
+    chunk.entry_bytes.copy_(chunk.staging(device), non_blocking=True)
+    if wait:
+        _sync_current_stream(device)
+    return copied
 
 
 # ---------------------------------------------------------------------- retrieve
@@ -478,28 +514,28 @@ def scatter_chunk(
     group_ids: Sequence[np.ndarray],
     entry_bytes: torch.Tensor,
     pool: CopyPool = _SERIAL,
+    *,
+    wait: bool = True,
 ) -> int:
     """Copy an entry's blocks into the non-null blocks of ``group_ids``.
 
     Returns the bytes written. CPU tensors are split across ``pool``'s lanes; CUDA
-    copies are synchronised before returning.
+    copies run on the current stream, synchronised (that stream only) before
+    returning, or only queued there with ``wait`` False (as ``gather_chunk``: the
+    entry stays pinned until the caller has waited).
     """
     chunk = _ChunkCopy(group_ids, entry_bytes, pool, _non_null_slots)
-    copied = 0
-    devices: set[torch.device] = set()
+    on_device: list[tuple[TensorPlan, _Blocks]] = []
     for plan in plans:
         blocks = chunk.blocks(plan.region.group_index)
         if blocks.ids.size == 0:
             continue
         if plan.array is None:
-            devices.add(plan.view.device)
-            copied += _scatter_device(plan, blocks, chunk)
+            on_device.append((plan, blocks))
         elif not chunk.stream(plan, blocks):
             chunk.jobs.append(partial(_scatter_cpu, plan, blocks, chunk.region_array(plan)))
-    copied += chunk.run(store=False)
-    for device in devices:
-        torch.cuda.synchronize(device)
-    return copied
+    copied = _scatter_device(on_device, chunk, wait=wait) if on_device else 0
+    return copied + chunk.run(store=False)
 
 
 def _scatter_cpu(plan: TensorPlan, blocks: _Blocks, src: np.ndarray) -> int:
@@ -519,17 +555,22 @@ def _scatter_cpu(plan: TensorPlan, blocks: _Blocks, src: np.ndarray) -> int:
     return plan.block_bytes * int(blocks.ids.size)
 
 
-def _scatter_device(plan: TensorPlan, blocks: _Blocks, chunk: _ChunkCopy) -> int:
-    """torch (CUDA tensors): the region crosses to the device in one copy, then
-    ``index_copy_`` scatters it there (as ``_gather_device``, mirrored)."""
-    src = chunk.region_tensor(plan)
-    d = plan.dim
-    if blocks.runs is not None:
-        for slot, block, n in blocks.runs:
-            plan.view.narrow(d, block, n).copy_(src.narrow(d, slot, n))
-    else:
-        device = plan.view.device
+def _scatter_device(
+    pairs: Sequence[tuple[TensorPlan, _Blocks]], chunk: _ChunkCopy, *, wait: bool
+) -> int:
+    """torch (CUDA tensors), on the current stream: the entry crosses to the staging
+    buffer in one copy (as ``_gather_device``, mirrored), then ``index_copy_``
+    scatters each tensor's non-null slots into its blocks. Returns once the stream
+    has run it (``wait``): the entry may be unpinned, the worker may read its blocks."""
+    device = pairs[0][0].view.device
+    chunk.staging(device).copy_(chunk.entry_bytes, non_blocking=True)
+    copied = 0
+    for plan, blocks in pairs:
+        src = chunk.staged_region(plan)
         if blocks.slots is not None:
-            src = src.index_select(d, torch.from_numpy(blocks.slots))
-        plan.view.index_copy_(d, chunk.index(blocks, device), src.to(device))
-    return plan.block_bytes * int(blocks.ids.size)
+            src = src.index_select(plan.dim, chunk.index(blocks, device, slots=True))
+        plan.view.index_copy_(plan.dim, chunk.index(blocks, device), src)
+        copied += plan.block_bytes * int(blocks.ids.size)
+    if wait:
+        _sync_current_stream(device)
+    return copied

@@ -390,7 +390,7 @@ def test_load_error_escaping_the_adapter_is_reported_failed(
     def cuda_error() -> None:
         raise RuntimeError("CUDA error: unspecified launch failure")
 
-    monkeypatch.setattr(conn.worker_adapter, "_sync_device", cuda_error)
+    monkeypatch.setattr(conn.worker_adapter, "_device_event", cuda_error)
     _bind(conn, TransferOp("B", 0, 64, encode_tokens(range(64)), [[0, 3, 4, 5]]))
     with caplog.at_level(logging.ERROR, logger="mpcache.connector"):
         conn.start_load_kv(None)  # never raises into vLLM

@@ -256,6 +256,7 @@ def test_store_then_load_and_failures(workers: list[WorkerAdapter]) -> None:
         base64.b64decode(store_call[2]["requests"][0]["tokens_b64"]), dtype="<i4"
     )
     assert tokens_sent.tolist() == tokens[:128]
+    assert store_call[2].get("event_ipc_b64") is None  # CPU caches: no CUDA event
 
     # B loads both chunks; C asks for a chunk that is not cached.
     other = [t + 1000 for t in tokens]
@@ -270,6 +271,8 @@ def test_store_then_load_and_failures(workers: list[WorkerAdapter]) -> None:
     )
     finished, failed = worker.take_transfer_results()
     assert finished == {"B", "C"}
+    (load_call,) = [c for c in server.calls if c[1] == "/cache/retrieve"]
+    assert load_call[2].get("event_ipc_b64") is None
     assert failed == set()  # single group: failures are reported per block
     assert worker.take_load_errors() == {1, 3, 4, 5, 6, 7}
     assert worker.take_load_errors() == set()
@@ -336,7 +339,7 @@ def test_unexpected_error_fails_every_load_of_the_step(
     def cuda_error() -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(worker, "_sync_device", cuda_error)
+    monkeypatch.setattr(worker, "_device_event", cuda_error)
     blocks = [[0, 2, 3, 4], [0, 5]] if len(groups) == 2 else [[0, 2, 3, 4, 5]]
     op = TransferOp("B", 0, 64, encode_tokens(range(64)), blocks)
     with pytest.raises(RuntimeError, match="illegal memory access"):

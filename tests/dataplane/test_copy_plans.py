@@ -250,14 +250,18 @@ def test_a_chunk_of_many_layers_lands_in_their_own_regions(threads: int, kernel:
 
 @pytest.mark.parametrize("layers", [1, 3])
 def test_the_device_path_moves_the_same_bytes(layers: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The torch kernels CUDA tensors use (narrowed runs, ``index_select`` on store,
-    ``index_copy_`` on retrieve), run here on CPU tensors seen as a device's: plans
-    without a numpy array take that path. Runs, scattered ids and nulls all land
-    where the numpy path puts them, and a retrieve synchronises each device once."""
+    """The torch kernels CUDA tensors use (``index_select`` into a staging buffer on
+    store, ``index_copy_`` out of one on retrieve), run here on CPU tensors seen as a
+    device's: plans without a numpy array take that path. Runs, scattered ids and
+    nulls all land where the numpy path puts them, and each chunk synchronises its
+    stream once each way (the current stream, never the device)."""
     import dataclasses
 
+    from dataplane import transfer
+
     synced: list[torch.device] = []
-    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    monkeypatch.setattr(transfer, "_sync_current_stream", synced.append)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: pytest.fail("a device-wide sync"))
 
     def device_plan(t: torch.Tensor) -> TensorPlan:
         plan = _plan_for(t, 1)[0]
@@ -283,4 +287,4 @@ def test_the_device_path_moves_the_same_bytes(layers: int, monkeypatch: pytest.M
                 if a and b:
                     assert torch.equal(src[:, a].view(torch.uint8), dst[:, b].view(torch.uint8))
             assert not dst[:, 0].view(torch.uint8).any()
-        assert synced == [torch.device("cpu")] * layers
+        assert synced == [torch.device("cpu")] * (2 * layers)

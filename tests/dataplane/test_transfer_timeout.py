@@ -48,12 +48,12 @@ class SlowCopy:
         self.delay_s = delay_s
         self.calls = 0
 
-    def __call__(self, *args: Any) -> int:
+    def __call__(self, *args: Any, **kwargs: Any) -> int:
         call = self.calls
         self.calls += 1
         if call in self.slow:
             time.sleep(self.delay_s)
-        return self.real(*args)
+        return self.real(*args, **kwargs)
 
 
 def _slow(monkeypatch: pytest.MonkeyPatch, name: str, slow: set[int], delay_s: float) -> SlowCopy:
