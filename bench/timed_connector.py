@@ -9,10 +9,12 @@ The subclass wraps each method in ``STEP_CALLS`` (vLLM 0.32's model runner:
 ``bind_connector_metadata``; ``kv_connector_model_runner_mixin.py`` calls the rest
 of the cycle through ``clear_connector_metadata``; every attention layer calls
 ``has_connector_metadata``, ``wait_for_layer_load`` and ``save_kv_layer``
-(``kv_transfer_utils.py``)). It wraps whatever the parent class resolves each name
-to, so the same module times today's synchronous connector and a later
-asynchronous one without a change. Calls a wrapped method makes to another (the
-base ``get_transfer_results`` calls ``get_finished``) count once, in the outer call.
+(``kv_transfer_utils.py``); vLLM 0.33 makes the same calls;
+tests/connector/test_timed_connector.py checks the list against the installed vLLM).
+It wraps whatever the parent class resolves each name to, so the same module times
+today's synchronous connector and a later asynchronous one without a change. Calls
+a wrapped method makes to another (the base ``get_transfer_results`` calls
+``get_finished``) count once, in the outer call.
 
 A step is one cycle ending in ``clear_connector_metadata``: it holds every timed
 call since the previous step's clear (``handle_preemptions`` comes before the bind).
@@ -25,10 +27,10 @@ At each clear the worker appends one JSON line to the file named by
 ``ms``: the step's summed time inside the timed calls; ``calls``: per method, the
 number of calls and their summed ms; ``loads`` / ``stores``: the operations in the
 step's plan (``MPCacheConnectorMetadata.plan``, 0 if the metadata has no such plan);
-``t``: the wall clock (``time.time``) at the step's clear.
-The line is written after the clear's own time is taken, so writing it is not
-counted. Only the worker role records: the scheduler-role instance runs in the
-engine core, where vLLM calls ``get_kv_connector_stats`` too.
+``t``: the wall clock (``time.time``) at the step's clear. The line is written
+after the clear's own time is taken, so writing it is not counted. Only the worker
+role records: the scheduler-role instance runs in the engine core, where vLLM calls
+``get_kv_connector_stats`` too.
 """
 
 from __future__ import annotations
