@@ -59,6 +59,7 @@ bench: venv e2e-venv
 	$(PY) bench/l2_bench.py
 	$(PY) bench/client_call_bench.py
 	$(PY) bench/ttft_bench.py
+	$(PY) bench/step_bench.py
 
 # Everything that needs a CUDA GPU: every `cuda`-marked test, then bench/gpu_bench.py
 # (GB/s of the store and retrieve copy path against a plain copy; target >= 0.9). The

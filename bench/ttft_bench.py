@@ -50,8 +50,9 @@ VOCAB_SIZE = 1000
 # (run by the e2e venv's python: ``ttft_bench.py engine SPEC_JSON``)
 
 
-def _make_model(out_dir: str, spec: dict[str, Any]) -> None:
-    """A random Llama, seeded: the engine shape the TTFT issue measured."""
+def make_model(out_dir: str, spec: dict[str, Any]) -> None:
+    """A random Llama, seeded: the engine shape the TTFT issue measured (also
+    bench/step_bench.py's)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -75,15 +76,13 @@ def _make_model(out_dir: str, spec: dict[str, Any]) -> None:
     model.save_pretrained(out_dir)
 
 
-def _engine(spec: dict[str, Any]) -> None:
-    from vllm import LLM, SamplingParams
-
-    kind = spec["engine"]
-    kwargs: dict[str, Any] = {
+def engine_kwargs(spec: dict[str, Any], *, prefix_caching: bool) -> dict[str, Any]:
+    """``vllm.LLM``'s arguments for the bench's engine (also bench/step_bench.py's)."""
+    return {
         "model": spec["model"],
         "skip_tokenizer_init": True,
         "enforce_eager": True,
-        "enable_prefix_caching": kind == "vllm",
+        "enable_prefix_caching": prefix_caching,
         "block_size": spec["block_size"],
         "kv_cache_memory_bytes": 512 << 20,
         "max_model_len": 8192,
@@ -92,6 +91,13 @@ def _engine(spec: dict[str, Any]) -> None:
         "seed": 0,
         "distributed_executor_backend": spec["executor"],
     }
+
+
+def _engine(spec: dict[str, Any]) -> None:
+    from vllm import LLM, SamplingParams
+
+    kind = spec["engine"]
+    kwargs = engine_kwargs(spec, prefix_caching=kind == "vllm")
     if kind == "mpcache":
         kwargs["kv_transfer_config"] = {
             "kv_connector": "MPCacheConnector",
@@ -145,7 +151,7 @@ def _prompts(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     }
 
 
-def _engine_env() -> dict[str, str]:
+def engine_env() -> dict[str, str]:
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
@@ -168,7 +174,7 @@ def _run_engine(python: Path, spec: dict[str, Any], log: Path) -> dict[str, Any]
         proc = subprocess.run(
             [str(python), __file__, "engine", json.dumps(spec)],
             cwd=ROOT,
-            env=_engine_env(),
+            env=engine_env(),
             stdout=out,
             stderr=subprocess.STDOUT,
             timeout=900,
@@ -228,7 +234,7 @@ def _report(rounds: list[dict[str, dict[str, Any]]], chunk_size: int) -> str:
 
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "make-model":
-        _make_model(sys.argv[2], json.loads(sys.argv[3]))
+        make_model(sys.argv[2], json.loads(sys.argv[3]))
         return
     if len(sys.argv) == 3 and sys.argv[1] == "engine":
         _engine(json.loads(sys.argv[2]))
@@ -265,7 +271,7 @@ def main() -> None:
     subprocess.run(
         [str(python), __file__, "make-model", str(work / "model"), json.dumps(shape)],
         check=True,
-        env=_engine_env(),
+        env=engine_env(),
         capture_output=True,
     )
     print(load_line())

@@ -1,0 +1,457 @@
+"""How long vLLM's engine step waits on the connector, in a real vLLM CPU engine.
+
+Two engines a round, each in a process of its own, started afresh every round in an
+order that alternates round by round, with bench/ttft_bench.py's model and settings
+(a random Llama of 8 layers, block 32, 2000-token prompts, the same OpenMP threads
+for both: ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``):
+
+- ``mpcache``: the connector against a fresh mpcache server (chunk 256), vLLM's
+  prefix cache off, loaded as ``bench.timed_connector.TimedMPCacheConnector``: the
+  shipped ``MPCacheConnector`` with every worker-side call vLLM makes on its step
+  timed (that module lists them and says what a step is);
+- ``vllm``: no connector, vLLM's prefix cache on.
+
+Both run the same work, after a warm-up prompt:
+
+1. **Passes**: ``--requests`` prompts one at a time, then each again (4 tokens a
+   pass): a first pass stores its 7 chunks (14.7 MB), a second one loads them.
+2. **Decode**: the bench steps the engine itself (``LLMEngine.step``): request R
+   (a ``--r-prompt``-token prompt, ``--r-tokens`` tokens) decodes, and from its 8th
+   token on, every 8 of its tokens, one more request arrives (4 tokens each),
+   alternately a passes' prompt (cached: in the mpcache engine it loads) and a new
+   one (it stores). Stepping the engine, rather than reading request output
+   timestamps, ties the arrivals to R's progress, so both engines see the same
+   batches; the clock is read as each ``step()`` returns, when R's token exists
+   for a caller. R's **time per token** is the wall time from its token when the
+   first other arrived to its first token after the last other finished, over
+   the tokens between. **Outside prefills** leaves out the steps in which a new
+   prompt prefilled (its first token came with R's): that compute is the same in
+   both engines and tens of times a decode step on this CPU, so it would bury the
+   loads and any copy running beside later steps; a store made inside that step
+   is left out with it, and is what the per-step connector time shows.
+
+   The baseline is the ``vllm`` engine, run the same round: its prefix cache holds
+   the cached prompts, so it does the same compute as the mpcache engine (a cached
+   prompt computes only its last block, 1984 of 2000 tokens cached either way; a
+   new one prefills in full) but neither loads nor stores. An engine without any
+   cache would recompute the cached prompts and hide a slow load behind a longer
+   prefill. The ratio catches waits wherever they are, the scheduler side included.
+
+The mpcache engine's worker writes one record per step: the time summed over the
+step's connector calls. Printed, round by round: R's time per token in each engine
+and the ratio, each engine's longest gap between two of R's tokens, and the
+round's worst connector time per step. Then the per-step sums over every step
+after the warm-up (both phases): median, p90 (nearest rank) and max over the steps
+whose plan loads, those whose plan stores, and all steps, each taken within its
+round; which calls the time went to; the greedy outputs compared between the
+engines (R's own only as far as they agree: its batches differ by a step once a
+load holds a request back, and vLLM on CPU is not batch-invariant); then the
+``result:`` lines of ``FIGURES`` (median (min-max) over the rounds).
+
+Targets (issue 22): per step p90 <= 0.5 ms and max <= 2 ms; R's time per token
+with the connector <= 1.1x the baseline's.
+
+    .venv/bin/python bench/step_bench.py [--rounds 5]
+    .venv/bin/python bench/step_bench.py --rounds 1 --quick   # a smoke run
+
+Needs the e2e venv (``.venv-e2e``). A round runs 14 prefills of 2000 tokens and
+two engine starts; ``--quick`` runs 6.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.ttft_bench import VOCAB_SIZE, engine_env, engine_kwargs, make_model
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINES = ("mpcache", "vllm")
+OTHER_TOKENS = 4
+ARRIVAL_EVERY = 8  # R's tokens between two arrivals (the first at this many)
+RECORDS_ENV = "MPCACHE_STEP_RECORDS"  # bench.timed_connector.RECORDS_ENV (imports vLLM)
+
+
+# ---------------------------------------------------------------- engine side
+# (run by the e2e venv's python: ``step_bench.py engine SPEC_JSON``)
+
+
+def _mark(spec: dict[str, Any], label: str) -> None:
+    """A line in the worker's step records: the steps after it are the label's."""
+    if spec.get("records"):
+        with open(spec["records"], "a") as out:
+            out.write(json.dumps({"mark": label}) + "\n")
+
+
+def _decode(engine: Any, spec: dict[str, Any], params: Any) -> dict[str, Any]:
+    """Step the engine: R decodes while the others arrive (module docstring, 2)."""
+    engine.add_request("R", {"prompt_token_ids": spec["r_prompt"]}, params(spec["r_tokens"]))
+    pending = list(spec["others"])
+    tokens: dict[str, list[int]] = {}
+    # R's tokens: (clock, R's tokens so far, whether a new prompt prefilled in the step)
+    r_times: list[tuple[float, int, bool]] = []
+    finished: dict[str, float] = {}
+    started: tuple[float, int] | None = None
+    for _ in range(100_000):  # bounded; ends when every request has finished
+        if not engine.has_unfinished_requests():
+            break
+        outputs = engine.step()
+        now = time.perf_counter()
+        prefilled = False
+        for out in outputs:
+            name = out.request_id.split("-")[0]
+            ids = list(out.outputs[0].token_ids)
+            prefilled |= name.startswith("new") and not tokens.get(name)
+            if name == "R" and len(ids) > len(tokens.get("R", ())):
+                r_times.append((now, len(ids), False))
+            tokens[name] = ids
+            if out.finished:
+                finished[name] = now
+        if prefilled and r_times and r_times[-1][0] == now:
+            r_times[-1] = (now, r_times[-1][1], True)
+        produced = len(tokens.get("R", ()))
+        arrived = len(spec["others"]) - len(pending)
+        if pending and produced >= ARRIVAL_EVERY * (arrived + 1):
+            if started is None:
+                started = (now, produced)
+            name, prompt = pending.pop(0)
+            engine.add_request(name, {"prompt_token_ids": prompt}, params(OTHER_TOKENS))
+    assert started is not None and not pending, "R finished before every request arrived"
+    others_done = max(finished[name] for name, _ in spec["others"])
+    after = [(t, n) for t, n, _ in r_times if t >= others_done]
+    end = after[0] if after else r_times[-1][:2]
+    window = [r for r in r_times if started[0] <= r[0] <= end[0]]
+    gaps = [(b[0] - a[0], b[1] - a[1], b[2]) for a, b in itertools.pairwise(window)]
+    outside_s = sum(s for s, _, prefill in gaps if not prefill)
+    outside_tokens = sum(n for _, n, prefill in gaps if not prefill)
+    alone = after[-1][1] - after[0][1] if after else 0
+    return {
+        "ms_per_token": (end[0] - started[0]) * 1e3 / (end[1] - started[1]),
+        "ms_per_token_outside_prefills": outside_s * 1e3 / outside_tokens,
+        "tokens": end[1] - started[1],
+        "prefill_steps": sum(prefill for _, _, prefill in gaps),
+        "max_gap_ms": max(s for s, _, _ in gaps) * 1e3,
+        "alone_ms_per_token": (after[-1][0] - after[0][0]) * 1e3 / alone if alone else math.nan,
+        "outlived": bool(after),
+        "outputs": tokens,
+    }
+
+
+def _engine(spec: dict[str, Any]) -> None:
+    from vllm import LLM, SamplingParams
+
+    kind = spec["engine"]
+    kwargs = engine_kwargs(spec, prefix_caching=kind == "vllm")
+    if kind == "mpcache":
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "TimedMPCacheConnector",
+            "kv_connector_module_path": "bench.timed_connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"mpcache.server_urls": spec["server_url"]},
+        }
+    llm = LLM(**kwargs)
+
+    def params(max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    def generate(prompt: list[int], max_tokens: int = OTHER_TOKENS) -> list[int]:
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params(max_tokens), use_tqdm=False)
+        return list(out.outputs[0].token_ids)
+
+    generate(spec["warmup"])
+    _mark(spec, "measured")
+    outputs: dict[str, list[int]] = {}
+    for i, prompt in enumerate(spec["passes"]):
+        outputs[f"pass {i} first"] = generate(prompt)
+    for i, prompt in enumerate(spec["passes"]):
+        outputs[f"pass {i} second"] = generate(prompt)
+    decode = _decode(llm.llm_engine, spec, params)
+    outputs.update({f"decode {k}": v for k, v in decode.pop("outputs").items()})
+    _mark(spec, "end")
+    Path(spec["results"]).write_text(json.dumps({"outputs": outputs, "decode": decode}))
+    llm.llm_engine.engine_core.shutdown()
+
+
+# ---------------------------------------------------------------- bench side
+
+
+def _prompts(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
+
+    passes = [tokens(args.prompt_tokens) for _ in range(args.requests)]
+    # The cached arrivals are the passes' prompts: held by the server (mpcache) or
+    # by vLLM's prefix cache (vllm) since the passes.
+    others = [
+        (f"cached{i // 2}", passes[i // 2]) if i % 2 == 0 else (f"new{i // 2}", tokens(n))
+        for i, n in enumerate([args.prompt_tokens] * args.others)
+    ]
+    return {
+        "warmup": tokens(args.prompt_tokens),
+        "passes": passes,
+        "others": others,
+        "r_prompt": tokens(args.r_prompt),
+        "r_tokens": args.r_tokens,
+    }
+
+
+def _run_engine(python: Path, spec: dict[str, Any], log: Path) -> dict[str, Any]:
+    env = engine_env()
+    if spec.get("records"):
+        env[RECORDS_ENV] = spec["records"]
+    with log.open("ab") as out:
+        proc = subprocess.run(
+            [str(python), __file__, "engine", json.dumps(spec)],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=900,
+        )
+    if proc.returncode != 0:
+        raise SystemExit(f"the {spec['engine']} engine failed (rc {proc.returncode}); see {log}")
+    result: dict[str, Any] = json.loads(Path(spec["results"]).read_text())
+    return result
+
+
+def _steps(path: Path) -> list[dict[str, Any]]:
+    """The worker's step records between the ``measured`` and ``end`` marks."""
+    steps: list[dict[str, Any]] = []
+    inside = False
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if "mark" in record:
+            inside = record["mark"] == "measured"
+        elif inside:
+            steps.append(record)
+    return steps
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    """Nearest rank: the smallest value with at least ``fraction`` of them at or below."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
+
+
+KINDS = {
+    "steps that load": lambda s: s["loads"] > 0,
+    "steps that store": lambda s: s["stores"] > 0,
+    "all steps": lambda s: True,
+}
+
+FIGURES = (
+    "connector ms per step, steps that store, p90",
+    "connector ms per step, steps that store, max",
+    "connector ms per step, steps that load, p90",
+    "connector ms per step, steps that load, max",
+    "connector ms per step, all steps, p90",
+    "connector ms per step, all steps, max",
+    "mpcache R ms per token / vllm R ms per token",
+    "mpcache R ms per token outside prefills / vllm R ms per token outside prefills",
+    "vllm R ms per token",
+    "mpcache R ms per token",
+)
+"""What docs/benchmarks.md quotes (bench/common.py ``results``): per-step sums of the
+worker's connector calls in ms (each round's p90 or max), R's decode time per token
+and its ratio to the baseline's within each round."""
+
+
+def _step_figures(table: Any, steps: list[dict[str, Any]]) -> None:
+    for kind, selects in KINDS.items():
+        sums = [s["ms"] for s in steps if selects(s)]
+        if not sums:
+            continue
+        table.add(f"connector ms per step, {kind}, median", statistics.median(sums))
+        table.add(f"connector ms per step, {kind}, p90", percentile(sums, 0.9))
+        table.add(f"connector ms per step, {kind}, max", max(sums))
+        table.add(f"connector ms per step, {kind}, steps", len(sums))
+
+
+def _calls(steps: list[dict[str, Any]], selects: Any) -> str:
+    """The calls that took the most of the selected steps' time, with their p90."""
+    per_call: dict[str, list[float]] = {}
+    for step in steps:
+        if selects(step):
+            for name, (_, ms) in step["calls"].items():
+                per_call.setdefault(name, []).append(ms)
+    top = sorted(per_call.items(), key=lambda item: -sum(item[1]))[:3]
+    return ", ".join(f"{name} p90 {percentile(ms, 0.9):.3f} max {max(ms):.3f}" for name, ms in top)
+
+
+def _report(rounds: list[dict[str, Any]]) -> str:
+    from bench.common import Rounds, results, summary
+
+    table = Rounds()
+    all_steps: list[dict[str, Any]] = []
+    for r in rounds:
+        _step_figures(table, r["steps"])
+        all_steps += r["steps"]
+        for engine in ENGINES:
+            decode = r[engine]["decode"]
+            table.add(f"{engine} R ms per token", decode["ms_per_token"])
+            outside = decode["ms_per_token_outside_prefills"]
+            table.add(f"{engine} R ms per token outside prefills", outside)
+    lines = [f"{'connector ms per step (worker)':<34}{'median':>22}{'p90':>22}{'max':>22}  steps"]
+    for kind in KINDS:
+        name = f"connector ms per step, {kind}"
+        if f"{name}, p90" not in table.values:
+            lines.append(f"{kind:<34}  none")
+            continue
+        cells = [summary(table.values[f"{name}, {q}"], 3) for q in ("median", "p90", "max")]
+        steps = summary(table.values[f"{name}, steps"], 0)
+        lines.append(f"{kind:<34}{cells[0]:>22}{cells[1]:>22}{cells[2]:>22}  {steps}")
+    lines.append("(each cell: median (min-max) over the rounds of the round's figure)")
+    for kind, selects in KINDS.items():
+        lines.append(f"where the time went, {kind} (all rounds' steps, ms): ")
+        lines[-1] += _calls(all_steps, selects) or "none"
+    mismatched = [
+        (i, case)
+        for i, r in enumerate(rounds)
+        for case, ids in r["mpcache"]["outputs"].items()
+        if case != "decode R" and ids != r["vllm"]["outputs"].get(case)
+    ]
+    lines.append(f"outputs differing between the engines (round, case): {mismatched or 'none'}")
+    agree = [
+        _agreeing(r["mpcache"]["outputs"]["decode R"], r["vllm"]["outputs"]["decode R"])
+        for r in rounds
+    ]
+    lines.append(
+        f"R's tokens equal in both engines, from the first, per round: {agree} of "
+        f"{len(rounds[0]['vllm']['outputs']['decode R'])} (R's batches differ once a load "
+        "holds a request back a step; vLLM on CPU is not batch-invariant)"
+    )
+    lines.append(
+        "targets: connector ms per step p90 <= 0.5, max <= 2; R ms per token mpcache / vllm <= 1.1"
+    )
+    lines.append(results(FIGURES, table))
+    return "\n".join(lines)
+
+
+def _agreeing(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+
+
+def _round_line(index: int, results: dict[str, Any]) -> str:
+    mp, base = results["mpcache"]["decode"], results["vllm"]["decode"]
+
+    def pair(key: str) -> str:
+        return f"{mp[key]:.1f} / {base[key]:.1f}"
+
+    worst = {
+        kind: max((s["ms"] for s in results["steps"] if selects(s)), default=math.nan)
+        for kind, selects in KINDS.items()
+    }
+    return (
+        f"round {index + 1}: R ms per token, mpcache / vllm: {pair('ms_per_token')} = "
+        f"{mp['ms_per_token'] / base['ms_per_token']:.3f}; outside prefills "
+        f"{pair('ms_per_token_outside_prefills')} = "
+        f"{mp['ms_per_token_outside_prefills'] / base['ms_per_token_outside_prefills']:.3f} "
+        f"({mp['tokens']} tokens, {mp['prefill_steps']} prefills; longest gap "
+        f"{pair('max_gap_ms')}; R alone after {pair('alone_ms_per_token')}); connector max per "
+        f"step: stores {worst['steps that store']:.1f}, loads {worst['steps that load']:.1f}, "
+        f"all {worst['all steps']:.1f} ms ({len(results['steps'])} steps)"
+    )
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "make-model":
+        make_model(sys.argv[2], json.loads(sys.argv[3]))
+        return
+    if len(sys.argv) == 3 and sys.argv[1] == "engine":
+        _engine(json.loads(sys.argv[2]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: fewer requests")
+    parser.add_argument("--requests", type=int, default=3, help="prompts passed twice")
+    parser.add_argument("--others", type=int, default=6, help="arrivals during R, half cached")
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--r-prompt", type=int, default=128, help="R's prompt tokens")
+    parser.add_argument("--r-tokens", type=int, default=96, help="R's generated tokens")
+    parser.add_argument("--chunk-size", type=int, default=256, help="the server's --chunk-size")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--executor", default="mp", help="vLLM's distributed_executor_backend")
+    parser.add_argument("--e2e-venv", type=Path, default=ROOT / ".venv-e2e")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.others, args.r_tokens = 1, 2, 48
+    if args.others * ARRIVAL_EVERY + 16 > args.r_tokens:
+        parser.error("--r-tokens too few for R to outlive every arrival")
+    if (args.others + 1) // 2 > args.requests:
+        parser.error("--others: the cached arrivals are the passes' prompts; too few --requests")
+    if args.rounds < 5:
+        print(f"note: {args.rounds} rounds; figures want at least 5", file=sys.stderr)
+
+    from bench.common import load_line
+    from tests.support import server_process
+
+    python = args.e2e_venv / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"no e2e venv at {args.e2e_venv}: run scripts/bootstrap_e2e_venv.sh")
+    work = Path(tempfile.mkdtemp(prefix="mpcache-step-"))
+    log = work / "engines.log"
+    shape = {"layers": args.layers, "hidden": args.hidden, "dtype": args.dtype}
+    subprocess.run(
+        [str(python), __file__, "make-model", str(work / "model"), json.dumps(shape)],
+        check=True,
+        env=engine_env(),
+        capture_output=True,
+    )
+    print(load_line())
+    print(
+        f"model: random Llama, {args.layers} layers, hidden {args.hidden}, 4 KV heads of 64, "
+        f"{args.dtype}, block {args.block_size}; server --chunk-size {args.chunk_size}; "
+        f"{args.requests} prompts passed twice, R ({args.r_prompt}-token prompt, "
+        f"{args.r_tokens} tokens) with {args.others} arrivals, {args.prompt_tokens} tokens each"
+    )
+    rounds: list[dict[str, Any]] = []
+    for index in range(args.rounds):
+        prompts = _prompts(args, seed=index)
+        results: dict[str, Any] = {}
+        for engine in ENGINES[index % 2 :] + ENGINES[: index % 2]:
+            spec = {
+                **prompts,
+                **shape,
+                "engine": engine,
+                "model": str(work / "model"),
+                "block_size": args.block_size,
+                "executor": args.executor,
+                "results": str(work / f"r{index}-{engine}.json"),
+            }
+            if engine == "mpcache":
+                records = work / f"r{index}-steps.jsonl"
+                spec["records"] = str(records)
+                server_args = ("--chunk-size", str(args.chunk_size), "--pool-size", "1GiB")
+                with server_process(*server_args) as (url, _):
+                    results[engine] = _run_engine(python, {**spec, "server_url": url}, log)
+                results["steps"] = _steps(records)
+            else:
+                results[engine] = _run_engine(python, spec, log)
+        rounds.append(results)
+        print(_round_line(index, results), flush=True)
+    print(_report(rounds))
+    if args.keep:
+        print(f"work folder: {work}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""bench/timed_connector.py: every call vLLM makes on a step is timed, once per step.
+
+bench/step_bench.py's figures are only as good as this wrapper's coverage: a call
+vLLM makes on its step that the wrapper misses would hide a wait moved into it. The
+calls are read from the installed vLLM (0.33 here; the bench's engine runs the e2e
+venv's 0.32, whose step makes the same calls).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.connector.conftest import require_vllm
+from tests.connector.fakes import FakeServer
+
+
+def _called_on_the_step() -> set[str]:
+    """The connector methods vLLM's step code calls, read from the installed vLLM."""
+    import vllm
+
+    root = Path(vllm.__file__).parent
+    mixin = (root / "v1/worker/kv_connector_model_runner_mixin.py").read_text()
+    layers = (root / "model_executor/layers/attention/kv_transfer_utils.py").read_text()
+    runner = (root / "v1/worker/gpu_model_runner.py").read_text()
+    names = set(re.findall(r"\bkv_connector\.([a-z_]+)\(", mixin))
+    names |= set(re.findall(r"\bconnector\.([a-z_]+)\(", layers))
+    # execute_model's own call; the runner's other calls are made at start-up.
+    names |= set(re.findall(r"get_kv_transfer_group\(\)\.([a-z_]+)\(", runner))
+    return names - {"register_kv_caches", "set_host_xfer_buffer_ops", "get_mem_pool_context"}
+
+
+@pytest.mark.vllm
+def test_every_connector_call_of_vllms_step_is_timed() -> None:
+    require_vllm()
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from bench.timed_connector import STEP_CALLS
+
+    called = _called_on_the_step()
+    assert {"bind_connector_metadata", "wait_for_save", "handle_preemptions"} <= called
+    assert called <= set(STEP_CALLS), called - set(STEP_CALLS)
+    assert all(callable(getattr(KVConnectorBase_V1, name)) for name in STEP_CALLS)
+
+
+@pytest.fixture
+def fake_server(monkeypatch: pytest.MonkeyPatch) -> FakeServer:
+    require_vllm()
+    from connector import MPCacheConnector
+
+    fake = FakeServer("http://fake:1", min_chunk_size=64)
+    monkeypatch.setattr(MPCacheConnector, "transport_factory", lambda url: fake.transport())
+    monkeypatch.setattr(MPCacheConnector, "async_transport_factory", lambda url: fake.transport())
+    return fake
+
+
+def _timed_connector(tiny_model_dir: Path, fake: FakeServer, role: str) -> Any:
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+    from tests.connector.vllm_support import LAYERS, make_kv_cache_config, make_vllm_config
+
+    config = make_vllm_config(tiny_model_dir, {"mpcache.server_urls": fake.url})
+    assert config.kv_transfer_config is not None
+    config.kv_transfer_config.kv_connector = "TimedMPCacheConnector"
+    config.kv_transfer_config.kv_connector_module_path = "bench.timed_connector"
+    conn = KVConnectorFactory.create_connector(
+        config, KVConnectorRole[role.upper()], make_kv_cache_config(16)
+    )
+    if role == "worker":
+        conn.register_kv_caches({name: torch.zeros(16, 2, 16, 2, 8) for name in LAYERS})
+    return conn
+
+
+@pytest.mark.vllm
+def test_one_record_per_step_with_its_calls_and_plan(
+    tiny_model_dir: Path, fake_server: FakeServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from connector import MPCacheConnectorMetadata
+    from connector.metadata import StepPlan, TransferOp
+    from contract.tokens import encode_tokens
+
+    records = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("MPCACHE_STEP_RECORDS", str(records))
+    scheduler = _timed_connector(tiny_model_dir, fake_server, "scheduler")
+    worker = _timed_connector(tiny_model_dir, fake_server, "worker")
+    try:
+        store = TransferOp("A", 0, 64, encode_tokens(range(64)), [[1, 2, 3, 4]])
+        plan = MPCacheConnectorMetadata(StepPlan(stores=(store,)))
+        worker.handle_preemptions(plan)  # vLLM calls it before the bind
+        worker.bind_connector_metadata(plan)
+        worker.start_load_kv(None)
+        assert worker.has_connector_metadata()
+        worker.wait_for_save()
+        worker.get_transfer_results(set())
+        worker.get_block_ids_with_load_errors()
+        worker.clear_connector_metadata()
+        worker.bind_connector_metadata(MPCacheConnectorMetadata(StepPlan()))
+        worker.clear_connector_metadata()
+        scheduler.get_kv_connector_stats()  # the scheduler role records nothing
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+    first, second = (json.loads(line) for line in records.read_text().splitlines())
+    assert (first["loads"], first["stores"]) == (0, 1)
+    assert fake_server.chunks  # the wrapped wait_for_save did store
+    assert {name: n for name, (n, _) in first["calls"].items()} == {
+        "handle_preemptions": 1,
+        "bind_connector_metadata": 1,
+        "start_load_kv": 1,
+        "has_connector_metadata": 1,
+        "wait_for_save": 1,
+        "get_transfer_results": 1,
+        "get_block_ids_with_load_errors": 1,
+        "clear_connector_metadata": 1,
+    }
+    assert first["ms"] == pytest.approx(sum(ms for _, ms in first["calls"].values()))
+    assert (second["loads"], second["stores"]) == (0, 0)
+    assert set(second["calls"]) == {"bind_connector_metadata", "clear_connector_metadata"}
