@@ -309,21 +309,25 @@ class WorkerAdapter:
         """Queue the step's retrieve; False when it cannot run (degraded)."""
         if not self.available:
             return False
-        body = RetrieveRequest(
-            instance_id=self.instance_id,
-            rank=self.server_rank,
-            requests=[op.to_item(self.namespace) for op in loads],
-            timeout_s=server_budget_s(self.config.request_timeout_s),
-            event_ipc_b64=self._device_event(),
-        )
-        job = Job(lambda job: self._run_load(loads, body), _ids(loads))
+        event = self._device_event()  # on vLLM's thread: orders the call after its writes
+        job = Job(lambda job: self._run_load(loads, event), _ids(loads))
         return self._load_lane.submit(job)
 
-    def _run_load(self, loads: Sequence[TransferOp], body: RetrieveRequest) -> None:
+    def _body(self, ops: Sequence[TransferOp], event: str | None) -> dict[str, Any]:
+        """A store's or retrieve's fields (built on the lane, off vLLM's thread)."""
+        return {
+            "instance_id": self.instance_id,
+            "rank": self.server_rank,
+            "requests": [op.to_item(self.namespace) for op in ops],
+            "timeout_s": server_budget_s(self.config.request_timeout_s),
+            "event_ipc_b64": event,
+        }
+
+    def _run_load(self, loads: Sequence[TransferOp], event: str | None) -> None:
         """The load lane's job: the retrieve call, then its outcome, published whole."""
         outcome = LoadOutcome(finished={op.request_id for op in loads})
         try:
-            self._load(loads, body, outcome)
+            self._load(loads, RetrieveRequest(**self._body(loads, event)), outcome)
         except BaseException:
             for op in loads:
                 self._fail_load(outcome, op, op.nonnull_block_ids())
@@ -405,15 +409,9 @@ class WorkerAdapter:
         self._store_ledger.planned(ids)  # first: finish reports depend on it
         if not self.available:
             return
-        body = StoreRequest(
-            instance_id=self.instance_id,
-            rank=self.server_rank,
-            requests=[op.to_item(self.namespace) for op in stores],
-            timeout_s=server_budget_s(self.config.request_timeout_s),
-            event_ipc_b64=self._device_event(),
-        )
+        event = self._device_event()  # on vLLM's thread: orders the call after its writes
         self._store_ledger.begin(ids)
-        job = Job(lambda job: self._run_store(job, body), ids)
+        job = Job(lambda job: self._run_store(job, stores, event), ids)
         if not self._store_lane.submit(job):
             self._store_ledger.end(ids)
             logger.debug("mpcache worker rank %d: store lane full; step not stored", self.rank)
@@ -421,17 +419,14 @@ class WorkerAdapter:
         if self.stores_wait:
             job.done.wait(self._call_bound_s)
 
-    def _run_store(self, job: Job, body: StoreRequest) -> None:
+    def _run_store(self, job: Job, stores: Sequence[TransferOp], event: str | None) -> None:
         """The store lane's job: the store call, without the requests revoked since."""
         try:
             with self._store_lane.lock:
                 revoked = set(job.revoked)
-            if revoked:
-                body = body.model_copy(
-                    update={"requests": [r for r in body.requests if r.request_id not in revoked]}
-                )
-            if body.requests:
-                self._store(body)
+            sent = [op for op in stores if op.request_id not in revoked]
+            if sent:
+                self._store(StoreRequest(**self._body(sent, event)))
         finally:
             self._store_ledger.end(job.request_ids)
 
