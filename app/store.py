@@ -6,10 +6,12 @@ from collections.abc import Sequence
 
 from app.blend import BlendMatcher
 from app.hashing import TokenHasher
+from app.kv_events import BlockNote, StoredItem
 from app.l2 import L2Tier, WriteJob
 from app.pool_pressure import PoolPressureLog
 from app.telemetry import Telemetry
 from app.transfers import CheckedItem, TransferCall, Transfers
+from contract.chunk_keys import model_of
 from contract.schemas import StoreRequest, StoreResponse, StoreResult
 from dataplane.layout import slot_mask
 from dataplane.pool import PRESENT, Entry, Pool
@@ -30,7 +32,8 @@ class Store:
     copy ended late is aborted, never made visible (the client may have reused those
     blocks while it was copied); what is left once it has passed is reported failed.
     A committed chunk joins the CacheBlend index (when enabled) and, with an L2 tier,
-    is queued for write-behind.
+    is queued for write-behind; its entry's note (``app.kv_events.BlockNote``) says
+    which block of which prompt it is, for the KV events.
     """
 
     def __init__(
@@ -77,8 +80,11 @@ class Store:
         counts = {"stored": 0, "present": 0}
         failed = copied = 0
         timed_out = False
+        ns, salt = it.item.namespace, it.item.cache_salt
+        told = StoredItem(model_of(ns), salt, call.chunk_size, it.tokens, keys)
         for n, (chunk, units) in enumerate(todo):
-            outcome, nbytes = self._store_chunk(call, it, keys, chunk, units)
+            note = None if units else BlockNote(told, chunk, call.reg.world_size)
+            outcome, nbytes = self._store_chunk(call, it, keys, chunk, units, note)
             copied += nbytes
             if outcome in counts:
                 counts[outcome] += 1
@@ -99,7 +105,13 @@ class Store:
         return result, timed_out
 
     def _store_chunk(
-        self, call: TransferCall, it: CheckedItem, keys: Sequence[bytes], chunk: int, units: int
+        self,
+        call: TransferCall,
+        it: CheckedItem,
+        keys: Sequence[bytes],
+        chunk: int,
+        units: int,
+        note: BlockNote | None,
     ) -> tuple[str, int]:
         """Store one chunk (``units`` 0), or the tail of its first ``units`` units:
         ``(outcome, bytes copied)``, the outcome ``stored``, ``present``, ``full`` (no
@@ -125,6 +137,7 @@ class Store:
             present=mask,
             content_key=content_key,
             unit_keys=unit_keys,
+            note=note,
         )
         if entry == PRESENT:
             return "present", 0

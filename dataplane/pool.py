@@ -15,14 +15,22 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, Protocol
 
 import torch
 
 from dataplane.key_index import KeyIndex
 from dataplane.segments import Segment
 
-__all__ = ["MAX_EVICTION_SCAN", "PRESENT", "Entry", "PageAllocator", "Pool", "PoolStats"]
+__all__ = [
+    "MAX_EVICTION_SCAN",
+    "PRESENT",
+    "Entry",
+    "EntryObserver",
+    "PageAllocator",
+    "Pool",
+    "PoolStats",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +137,9 @@ class Entry:
     unit_keys: tuple[bytes, ...] = ()
     """The unit keys this entry answers (``_Units``): a whole chunk's first 1, 2, ...
     units short of the whole; a tail's units, the last being its own key."""
+    note: object = None
+    """What the caller of ``begin_store`` says about the entry, opaque to the pool; an
+    ``EntryObserver`` reads it (the KV events: ``app.kv_events``)."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +152,16 @@ class PoolStats:
 
 
 DropHook = Callable[[Sequence[Entry], DropReason], None]
+
+
+class EntryObserver(Protocol):
+    """Told, under the pool's lock, when a whole chunk's entry becomes visible or stops
+    being visible (tails are not told), in the order it happens. It must only record
+    (no I/O, no lock of its own that waits, never a call back into the pool)."""
+
+    def added(self, entry: Entry) -> None: ...
+
+    def removed(self, entry: Entry) -> None: ...
 
 
 @dataclass(slots=True)
@@ -230,18 +251,23 @@ class _Units:
     prompt's chunk has in the index are always a leading run.
     """
 
-    __slots__ = ("holders", "index")
+    __slots__ = ("holders", "index", "observer")
 
     def __init__(self) -> None:
         self.holders: dict[tuple[bytes, int], list[Entry]] = {}
         self.index: KeyIndex | None = None
         """Told when a ``(unit key, rank)`` gains its first entry or loses its last."""
+        self.observer: EntryObserver | None = None
+        """Told when a whole chunk's entry is added or removed."""
 
     def add(self, entry: Entry) -> list[Entry]:
         """Register a visible ``entry``'s keys; return the tails it makes redundant
         (same rank and layout, and it holds every slot they hold)."""
-        if self.index is not None and not _is_tail(entry):
-            self.index.set(entry.key, entry.rank, True)  # a whole chunk's own key
+        if not _is_tail(entry):
+            if self.index is not None:
+                self.index.set(entry.key, entry.rank, True)  # a whole chunk's own key
+            if self.observer is not None:
+                self.observer.added(entry)
         covered = []
         for key in entry.unit_keys:
             found = self.holders.setdefault((key, entry.rank), [])
@@ -260,8 +286,11 @@ class _Units:
 
     def remove(self, entry: Entry) -> None:
         """Forget an entry that is no longer visible."""
-        if self.index is not None and not _is_tail(entry):
-            self.index.set(entry.key, entry.rank, False)
+        if not _is_tail(entry):
+            if self.index is not None:
+                self.index.set(entry.key, entry.rank, False)
+            if self.observer is not None:
+                self.observer.removed(entry)
         for key in entry.unit_keys:
             found = self.holders.get((key, entry.rank))
             if found is not None and entry in found:
@@ -399,6 +428,24 @@ class Pool:
                 raise RuntimeError("attach the key index to an empty pool")
             self._units.index = index
 
+    def attach_observer(self, observer: EntryObserver) -> None:
+        """From now on, tell ``observer`` what whole chunks become visible or stop being
+        visible (the pool is empty when the server attaches it)."""
+        with self._lock:
+            if self._index:
+                raise RuntimeError("attach an observer to an empty pool")
+            self._units.observer = observer
+
+    def whole_entries(self, then: Callable[[], None] | None = None) -> list[Entry]:
+        """The visible whole-chunk entries, least recently used first; ``then`` runs
+        under the same hold of the lock (an observer starting over from this list
+        forgets what it recorded before it)."""
+        with self._lock:
+            entries = [e for e in self._index.values() if not _is_tail(e)]
+            if then is not None:
+                then()
+            return entries
+
     # ------------------------------------------------------------------ reads
 
     def stats(self) -> PoolStats:
@@ -535,6 +582,7 @@ class Pool:
         present: int,
         content_key: bytes | None = None,
         unit_keys: Sequence[bytes] = (),
+        note: object = None,
     ) -> Entry | Literal["present"] | None:
         """Reserve a pending entry, or say the chunk is ``PRESENT``, or None if no room.
 
@@ -543,7 +591,7 @@ class Pool:
         it lacked), so a replacement never loses a slot; otherwise the first writer
         wins. ``unit_keys``: the unit keys the entry will answer (``_Units``); a tail,
         whose key is the last of them, is ``PRESENT`` when an entry already answers
-        it with every slot it would hold.
+        it with every slot it would hold. ``note``: the entry's ``Entry.note``.
         """
         if nbytes < 1:
             raise ValueError(f"nbytes must be >= 1, got {nbytes}")
@@ -581,6 +629,7 @@ class Pool:
                     nbytes=nbytes,
                     offset_bytes=first_page * self.page_size,
                     unit_keys=tuple(unit_keys),
+                    note=note,
                 )
                 self._pending[ident] = entry
         self._notify(evicted, "evicted")
