@@ -251,6 +251,8 @@ class BlockLedger:
             prev = item.hashes.get(start)
             if prev is None and start < len(item.keys):
                 prev = self._hash_of.get(item.keys[start])
+                if prev is not None:
+                    item.hashes[start] = prev  # the parent a BlockStored names
         if prev is None:
             prev, start = block_seed(item.model, item.cache_salt, size), -1
         raw = np.ascontiguousarray(item.tokens[(start + 1) * size : (chunk + 1) * size], "<i4")

@@ -43,36 +43,80 @@ class Received:
 
 
 class Consumer:
-    """A SUB socket on the PUB endpoint, and replays through a REQ socket."""
+    """A SUB socket on the PUB endpoint and a DEALER on the replay endpoint.
 
-    def __init__(self, endpoint: str, topic: str = "mpcache") -> None:
+    ``next`` gives the batches in sequence order, as a router that must not miss one
+    reads them: what the SUB socket missed (everything sent before its subscription
+    was live) is fetched by replay. ``next_seq`` is the first number not yet given.
+    """
+
+    def __init__(self, endpoint: str, replay_endpoint: str, topic: str = "mpcache") -> None:
         self.kv = vllm_kv_events()
         self._decoder = msgspec.msgpack.Decoder(type=self.kv.KVEventBatch)
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sub.connect(endpoint)
+        self._replay_endpoint = replay_endpoint
+        self._pending: list[Received] = []
+        self.next_seq = 0
 
     def decode(self, frames: list[bytes]) -> Received:
         topic, seq, payload = frames
-        return Received(topic, int.from_bytes(seq, "big", signed=True), self._decoder.decode(payload))
+        return Received(
+            topic, int.from_bytes(seq, "big", signed=True), self._decoder.decode(payload)
+        )
 
-    def receive(self, timeout_s: float = DEADLINE_S) -> Received:
-        """The next batch published (fails after ``timeout_s``)."""
-        if not self._sub.poll(int(timeout_s * 1000)):
-            raise AssertionError(f"no KV event batch within {timeout_s:g} s")
-        return self.decode(self._sub.recv_multipart())
+    def next(self, timeout_s: float = DEADLINE_S) -> Received:
+        """The batch numbered ``next_seq`` (fails after ``timeout_s``; a number the
+        replay skips is given as the next one there is: a gap the caller sees)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            got = self._take()
+            if got is not None:
+                return got
+            if self._sub.poll(100):
+                received = self.decode(self._sub.recv_multipart())
+                if received.seq >= self.next_seq:
+                    self._pending.append(received)
+                continue
+            self._pending += self.replay(self.next_seq)
+        raise AssertionError(f"no KV event batch {self.next_seq} within {timeout_s:g} s")
+
+    def _take(self) -> Received | None:
+        """The lowest pending batch at or past ``next_seq``, if it follows without a
+        gap, or if the replay was asked and has nothing lower."""
+        self._pending = sorted(
+            {r.seq: r for r in self._pending if r.seq >= self.next_seq}.values(),
+            key=lambda r: r.seq,
+        )
+        if not self._pending:
+            return None
+        first = self._pending[0]
+        if first.seq != self.next_seq:
+            filled = [r for r in self.replay(self.next_seq) if r.seq < first.seq]
+            if filled:
+                self._pending = filled + self._pending
+                first = filled[0]
+        self._pending.pop(0)
+        self.next_seq = first.seq + 1
+        return first
 
     def quiet(self, timeout_s: float = 0.3) -> bool:
-        """True if nothing arrives within ``timeout_s`` (a check that nothing more is
-        announced: it can only fail, never pass, by being slow)."""
-        return not self._sub.poll(int(timeout_s * 1000))
+        """True if no batch past those given arrives within ``timeout_s`` and the
+        replay has none (a check that nothing more is announced: it can only fail,
+        never pass, by being slow)."""
+        if self._sub.poll(int(timeout_s * 1000)):
+            received = self.decode(self._sub.recv_multipart())
+            if received.seq >= self.next_seq:
+                return False
+        return not self.replay(self.next_seq)
 
-    def replay(self, endpoint: str, start: int) -> list[Received]:
+    def replay(self, start: int) -> list[Received]:
         """Every buffered batch from ``start``, up to the end marker (a DEALER: one
         request, many replies, each after the empty delimiter frame)."""
         dealer = self._ctx.socket(zmq.DEALER)
-        dealer.connect(endpoint)
+        dealer.connect(self._replay_endpoint)
         try:
             dealer.send_multipart((b"", start.to_bytes(8, "big")))
             got: list[Received] = []
@@ -87,16 +131,6 @@ class Consumer:
                 got.append(self.decode(frames))
         finally:
             dealer.close(linger=0)
-
-    def subscribed(self, publish: Any, timeout_s: float = DEADLINE_S) -> Received:
-        """Wait until the subscription is live (a PUB drops what it sends before):
-        call ``publish`` until a batch arrives; that batch."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            publish()
-            if self._sub.poll(200):
-                return self.decode(self._sub.recv_multipart())
-        raise AssertionError("the subscription never received a batch")
 
     def close(self) -> None:
         self._sub.close(linger=0)
