@@ -420,6 +420,14 @@ class BlockPublisher:
     def next_seq(self) -> int:
         return self._seq
 
+    def describe(self) -> str:
+        """For the startup log: where the events go (the bound addresses), or off."""
+        sink = self._sink
+        if sink is None:
+            return "KV events off"
+        replay = f", replay {sink.replay_endpoint}" if sink.replay_endpoint else ""
+        return f"KV events on {sink.endpoint}{replay}"
+
     def start(self) -> None:
         self._publish([AllBlocksCleared()])
         self._thread = threading.Thread(target=self._run, name="mpcache-kv-events", daemon=True)

@@ -230,7 +230,7 @@ def _events(
     """The block ledger's publisher, observing ``pool`` (empty yet), with the KV events'
     sockets if configured and the held-blocks mirror if there is a coordinator's Redis."""
     recorder = EventRecorder(settings.kv_events_queue)
-    pool.attach_observer(recorder)
+    pool.attach_index(observer=recorder)
     ledger = BlockLedger()
     sink = None
     if settings.kv_events_endpoint is not None:

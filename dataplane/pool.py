@@ -319,6 +319,31 @@ class _Units:
         return 0, []
 
 
+class _Prefault:
+    """The thread that populates a segment's page tables (``Segment.prefault``)."""
+
+    def __init__(self, segment: Segment) -> None:
+        self._segment = segment
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, address: int) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(
+            target=self._segment.prefault,
+            args=(address, self._stop),
+            name="mpcache-pool-prefault",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
 class Pool:
     """The L1 cache over one owned ``Segment``: ``create`` makes the segment, ``close``
     unmaps and unlinks it (the server's only segment; docs/design.md s.5).
@@ -373,8 +398,7 @@ class Pool:
         self._clock = clock
         self._lock = threading.Lock()
         self.on_drop = on_drop
-        self._prefault_stop = threading.Event()
-        self._prefault_thread: threading.Thread | None = None
+        self._prefault = _Prefault(segment)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -391,23 +415,12 @@ class Pool:
 
     def start_prefault(self) -> None:
         """Populate the pool's page tables in a background thread (stopped by ``close``)."""
-        base = self._bytes
-        if base is None or self._prefault_thread is not None:
-            return
-        address = base.data_ptr()
-        self._prefault_thread = threading.Thread(
-            target=self.segment.prefault,
-            args=(address, self._prefault_stop),
-            name="mpcache-pool-prefault",
-            daemon=True,
-        )
-        self._prefault_thread.start()
+        if self._bytes is not None:
+            self._prefault.start(self._bytes.data_ptr())
 
     def close(self) -> None:
         """Drop every entry, unmap and unlink the pool's segment. Idempotent."""
-        self._prefault_stop.set()
-        if self._prefault_thread is not None:
-            self._prefault_thread.join()
+        self._prefault.stop()
         with self._lock:
             if self._bytes is None:
                 return
@@ -420,31 +433,24 @@ class Pool:
         self.segment.close()
         self._notify(dropped, "closed")
 
-    def attach_index(self, index: KeyIndex) -> None:
-        """From now on, keep ``index`` in step with what is visible (the pool is empty
-        when the server attaches it)."""
+    def attach_index(
+        self, index: KeyIndex | None = None, observer: EntryObserver | None = None
+    ) -> None:
+        """From now on, keep ``index`` in step with what is visible, and tell ``observer``
+        which whole chunks come and go (the pool is empty when the server attaches them)."""
         with self._lock:
             if self._index:
                 raise RuntimeError("attach the key index to an empty pool")
-            self._units.index = index
+            if index is not None:
+                self._units.index = index
+            if observer is not None:
+                self._units.observer = observer
 
-    def attach_observer(self, observer: EntryObserver) -> None:
-        """From now on, tell ``observer`` what whole chunks become visible or stop being
-        visible (the pool is empty when the server attaches it)."""
+    def whole_entries(self, then: Callable[[], None]) -> list[Entry]:
+        """The visible whole-chunk entries; ``then`` runs under the same hold of the lock."""
         with self._lock:
-            if self._index:
-                raise RuntimeError("attach an observer to an empty pool")
-            self._units.observer = observer
-
-    def whole_entries(self, then: Callable[[], None] | None = None) -> list[Entry]:
-        """The visible whole-chunk entries, least recently used first; ``then`` runs
-        under the same hold of the lock (an observer starting over from this list
-        forgets what it recorded before it)."""
-        with self._lock:
-            entries = [e for e in self._index.values() if not _is_tail(e)]
-            if then is not None:
-                then()
-            return entries
+            then()
+            return [e for e in self._index.values() if not _is_tail(e)]
 
     # ------------------------------------------------------------------ reads
 

@@ -34,7 +34,7 @@ class Rig:
     def __init__(self, pages: int, queue: int = 1000) -> None:
         self.pool = Pool.create(segment_name("pool"), pages * PAGE, PAGE)
         self.recorder = EventRecorder(queue)
-        self.pool.attach_observer(self.recorder)
+        self.pool.attach_index(observer=self.recorder)
         self.telemetry = Telemetry()
         endpoint, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
         self.ledger = BlockLedger()

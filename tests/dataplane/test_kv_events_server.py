@@ -130,3 +130,27 @@ def test_cluster_lookup_before_a_chunk_size_is_a_409(make_client: ClientFactory)
     reply = client.post("/cluster/lookup", json={"model": MODEL, "tokens": [1, 2, 3]})
     assert reply.status_code == 409, reply.text
     assert reply.json()["type"].endswith("not-negotiated")
+
+
+def test_the_example_router_picks_the_instance_beside_the_longest_prefix(
+    make_client: ClientFactory, shm_kv: KVFactory
+) -> None:
+    from examples.prefix_router import Router
+
+    client = make_client()
+    kv = shm_kv(LAYERS)
+    post_ok(client, "/register", register_body(kv, "a", GROUPS, chunk_size=CHUNK))
+    prompt = random_tokens(2 * CHUNK, seed=4)
+    me = _cluster_lookup(client, [1])["servers"][0]["url"]  # type: ignore[index]
+    pairs = {"http://10.9.9.9:8733": "http://vllm-b:8000", str(me): "http://vllm-a:8000"}
+    router = Router(str(me), pairs, client=client)
+    # Nothing cached anywhere: round robin, in the order the pairs were given.
+    first = router.route(MODEL, prompt.tolist())
+    assert (first.vllm_url, first.hit_tokens) == ("http://vllm-b:8000", 0)
+    store(client, "a", transfer_item("p", prompt, [list(range(1, 9))]))
+    wait_until(
+        lambda: router.route(MODEL, prompt.tolist()).hit_tokens == 2 * CHUNK,
+        what="the router seeing the stored prefix",
+    )
+    choice = router.route(MODEL, prompt.tolist())
+    assert (choice.vllm_url, choice.mpcache_url) == ("http://vllm-a:8000", me)
