@@ -153,8 +153,10 @@ class BlockLedger:
     what the events have said is held; ``apply`` and ``resync`` return what changed.
     """
 
-    def __init__(self, medium: str = MEDIUM_CPU) -> None:
+    def __init__(self, medium: str = MEDIUM_CPU, *, events: bool = True) -> None:
         self._medium = medium
+        self._events = events
+        """False: changes carry hashes only (nobody publishes them as events)."""
         self._ranks: dict[bytes, set[int]] = {}
         self._hash_of: dict[bytes, int] = {}
         self._complete: dict[bytes, int] = {}
@@ -245,6 +247,8 @@ class BlockLedger:
         if item is None:
             return None
         size, chunk = item.chunk_size, note.chunk
+        if chunk in item.hashes:
+            return item.hashes[chunk]
         start, prev = chunk, None
         while start > 0 and prev is None:
             start -= 1
@@ -255,11 +259,14 @@ class BlockLedger:
                     item.hashes[start] = prev  # the parent a BlockStored names
         if prev is None:
             prev, start = block_seed(item.model, item.cache_salt, size), -1
-        raw = np.ascontiguousarray(item.tokens[(start + 1) * size : (chunk + 1) * size], "<i4")
-        hashes = chain_block_hashes(prev, raw.tobytes(), size * 4, chunk - start)
+        # On to the item's last chunk: its other notes ask next, and one call for the
+        # run costs far less than one a chunk.
+        end = max(chunk, min(len(item.tokens) // size, len(item.keys)) - 1)
+        raw = np.ascontiguousarray(item.tokens[(start + 1) * size : (end + 1) * size], "<i4")
+        hashes = chain_block_hashes(prev, raw.data.cast("B"), size * 4, end - start)
         for offset, h in enumerate(hashes):
             item.hashes[start + 1 + offset] = h
-        return hashes[-1] if hashes else None
+        return item.hashes.get(chunk)
 
     def _announce(self, touched: dict[int, BlockNote | None], records: Sequence[Record]) -> Change:
         announced, refs = self.announced, self._refs
@@ -273,9 +280,10 @@ class BlockLedger:
                 announced.discard(h)
                 removed.append(h)
         events: list[Event] = []
-        if removed:
+        if removed and self._events:
             events.append(BlockRemoved(block_hashes=removed, medium=self._medium))
-        events += self._stored_events(stored)
+        if self._events:
+            events += self._stored_events(stored)
         for _, entry in records:
             assert isinstance(entry.note, BlockNote)
             entry.note.item = None  # hashed and announced: its tokens are no longer needed

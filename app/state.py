@@ -231,7 +231,7 @@ def _events(
     sockets if configured and the held-blocks mirror if there is a coordinator's Redis."""
     recorder = EventRecorder(settings.kv_events_queue)
     pool.attach_index(observer=recorder)
-    ledger = BlockLedger()
+    ledger = BlockLedger(events=settings.kv_events_endpoint is not None)
     sink = None
     if settings.kv_events_endpoint is not None:
         try:

@@ -49,6 +49,8 @@ FIGURES = (
     "cluster lookup 32k, 16 members",
 )
 """What docs/benchmarks.md quotes (bench/common.py ``results``)."""
+START_S = 120.0
+"""How long a server may take to start on a loaded machine."""
 
 DEPLOYMENT = "bench"
 NAMESPACE = "bench-model@layout/ws1"
@@ -100,7 +102,7 @@ def main() -> None:
         try:
             kv = KVCache(longest // BLOCK + 1, layers=1, heads=1)
             with (
-                server_process(*args_) as (url, _),
+                server_process(*args_, start_timeout_s=START_S) as (url, _),
                 httpx.Client(base_url=url, timeout=60.0) as http,
             ):
                 http.post("/negotiate", json={"required_alignment": BLOCK}).raise_for_status()

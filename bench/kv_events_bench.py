@@ -40,8 +40,11 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app.kv_events import BlockLedger, BlockNote, EventRecorder, StoredItem
 from bench.common import MIN_ROUNDS, Rounds, load_line, results
 from bench.dataplane_bench import BLOCK, CHUNK, TOKENS, KVCache, b64, transfer
+from contract.kv_events import KVEventBatch, encode_batch
+from dataplane.pool import Entry
 from tests.dataplane.support import register_over
 from tests.support import free_port, server_process
 
@@ -49,8 +52,12 @@ FIGURES = (
     "store 8 MiB chunks, events on / store 8 MiB chunks, events off",
     "store 128 KiB chunks, events on / store 128 KiB chunks, events off",
     "lookup, events on / lookup, events off",
+    "recorder per commit (us)",
+    "ledger and encoding per chunk (us)",
 )
 """What docs/benchmarks.md quotes (bench/common.py ``results``)."""
+START_S = 120.0
+"""How long a server may take to start on a loaded machine."""
 
 CACHES = {"large": (8, 8), "small": (1, 1)}
 """name -> (layers, KV heads)."""
@@ -107,6 +114,7 @@ def main() -> None:
     events = f"tcp://127.0.0.1:{free_port()}"
     replay = f"tcp://127.0.0.1:{free_port()}"
     common = ["--chunk-size", str(CHUNK), "--pool-size", "96MiB", "--log-level", "warning"]
+    common += ["--copy-threads", "2"]  # alike on both, and no measuring at start
     flags = {"off": common, "on": [*common, "--kv-events-endpoint", events]}
     flags["on"] += ["--kv-events-replay-endpoint", replay]
     caches: dict[tuple[str, str], KVCache] = {}
@@ -114,8 +122,8 @@ def main() -> None:
     drain: Drain | None = None
     try:
         with (
-            server_process(*flags["off"]) as (off_url, _),
-            server_process(*flags["on"]) as (on_url, _),
+            server_process(*flags["off"], start_timeout_s=START_S) as (off_url, _),
+            server_process(*flags["on"], start_timeout_s=START_S) as (on_url, _),
         ):
             clients = {
                 "off": httpx.Client(base_url=off_url, timeout=120.0),
@@ -170,12 +178,14 @@ def main() -> None:
                         for server in order:
                             rid = f"{server}-{name}-{r}-{i}"
                             key = f"store {SIZES[name]} chunks, events {server}"
-                            times.setdefault(key, []).append(store(server, name, rid, r * 100 + i))
+                            times.setdefault(key, []).append(
+                                store(server, name, rid, (r + 2) * 100 + i)
+                            )
                 # The last small prompt (the same on both servers) is looked up.
                 item = {
                     "namespace": "bench/small",
                     "tokens_b64": b64(
-                        np.random.default_rng(r * 100 + args.stores - 1).integers(
+                        np.random.default_rng((r + 2) * 100 + args.stores - 1).integers(
                             0, 128000, lengths["small"], np.int32
                         )
                     ),
@@ -222,8 +232,39 @@ def main() -> None:
                 target="target <= 1.03",
             )
         )
+    work = Rounds()
+    for _ in range(rounds_n):
+        ledger_round(work)
     print()
-    print(results(FIGURES, rounds))
+    print(
+        "in this process, per chunk: the store path's part (the pool's observer, under "
+        "its lock) and the publisher thread's (hash, ledger, events, msgpack)"
+    )
+    for name, values in work.values.items():
+        print(f"  {name}: {statistics.median(values):.2f} (min {min(values):.2f})")
+    print()
+    print(results(FIGURES, rounds, work))
+
+
+def ledger_round(work: Rounds, chunks: int = 1024) -> None:
+    """The event path's own work for ``chunks`` committed chunks of one prompt."""
+    tokens = np.random.default_rng(len(work.values)).integers(0, 128000, chunks * CHUNK, np.int32)
+    keys = [i.to_bytes(16, "little") for i in range(chunks)]
+    item = StoredItem("bench", None, CHUNK, tokens, keys)
+    entries = [
+        Entry(keys[c], 0, b"L", 1, None, 0, 1, 1, 0, note=BlockNote(item, c, 1))
+        for c in range(chunks)
+    ]
+    recorder = EventRecorder(chunks)
+    begin = time.perf_counter()
+    for entry in entries:
+        recorder.added(entry)
+    work.add("recorder per commit (us)", (time.perf_counter() - begin) * 1e6 / chunks)
+    begin = time.perf_counter()
+    change = BlockLedger().apply(recorder.take())
+    encode_batch(KVEventBatch(ts=time.time(), events=change.events))
+    work.add("ledger and encoding per chunk (us)", (time.perf_counter() - begin) * 1e6 / chunks)
+    assert len(change.stored) == chunks
 
 
 if __name__ == "__main__":
