@@ -34,6 +34,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -48,6 +49,7 @@ from contract.kv_events import (
     Event,
     KVEventBatch,
     encode_batch,
+    packed_token_ids,
     seq_bytes,
 )
 from dataplane.pool import Entry, Pool
@@ -313,13 +315,13 @@ class BlockLedger:
         first = run[0][1]
         item = first.item if first is not None else None
         parent: int | None = None
-        tokens: list[int] = []
+        tokens: list[int] | msgspec.Raw = []
         size = 0
         if first is not None and item is not None:
             size = item.chunk_size
             parent = item.hashes.get(first.chunk - 1) if first.chunk else None
             end = (first.chunk + len(run)) * size
-            tokens = item.tokens[first.chunk * size : end].tolist()
+            tokens = packed_token_ids(item.tokens[first.chunk * size : end])
         return BlockStored(
             block_hashes=[h for h, _ in run],
             parent_block_hash=parent,

@@ -25,6 +25,7 @@ project's; the tests decode with vLLM's own classes.
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
 __all__ = [
     "END_SEQ",
@@ -35,6 +36,7 @@ __all__ = [
     "KVEventBatch",
     "decode_batch",
     "encode_batch",
+    "packed_token_ids",
     "seq_bytes",
 ]
 
@@ -50,7 +52,8 @@ class _Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
 class BlockStored(_Event):
     block_hashes: list[int]
     parent_block_hash: int | None
-    token_ids: list[int]
+    token_ids: list[int] | msgspec.Raw
+    """Decoded as a list; the server sends ``packed_token_ids`` (the same msgpack)."""
     block_size: int
     lora_id: int | None
     medium: str | None
@@ -85,6 +88,18 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 
 def decode_batch(payload: bytes) -> KVEventBatch:
     return _DECODER.decode(payload)
+
+
+_INT32 = np.dtype([("marker", "u1"), ("value", ">i4")])
+
+
+def packed_token_ids(tokens: np.ndarray) -> msgspec.Raw:
+    """``tokens`` as the msgpack array of ints a list would encode to (each an int32,
+    marker 0xd2), built by numpy: no Python int per token on the publisher's thread."""
+    records = np.empty(len(tokens), dtype=_INT32)
+    records["marker"] = 0xD2
+    records["value"] = tokens
+    return msgspec.Raw(b"\xdd" + len(tokens).to_bytes(4, "big") + records.tobytes())
 
 
 def seq_bytes(seq: int) -> bytes:
