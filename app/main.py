@@ -123,6 +123,11 @@ def _startup_summary(runtime: Runtime) -> None:
         runtime.block_kernel,
         runtime.key_chain,
     )
+    logger.info(
+        "%s; held blocks %s",
+        runtime.events.describe(),
+        "mirrored to the coordinator's Redis" if runtime.held_mirror else "kept here only",
+    )
 
 
 def _shutdown_summary(runtime: Runtime) -> None:

@@ -10,9 +10,11 @@ from functools import partial
 import numpy as np
 
 from app.hashing import TokenHasher
+from app.kv_events import BlockNote, StoredItem
 from app.l2 import CorruptValue, L2Tier, decode_value
 from app.telemetry import Telemetry
 from app.transfers import CheckedItem, TransferCall, Transfers
+from contract.chunk_keys import model_of
 from contract.schemas import RetrieveRequest, RetrieveResponse, RetrieveResult
 from dataplane.device_path import CopyWindow
 from dataplane.layout import slot_mask
@@ -107,6 +109,7 @@ class Retrieve:
             ),
             failed_block_ids=_blocks_of(part.ids for part in parts[loaded:]),
         )
+        self._telemetry.tokens_loaded.inc(result.loaded_tokens)
         return result, timed_out or cut
 
     def _pin(
@@ -127,11 +130,18 @@ class Retrieve:
             else:
                 entry = self._pool.pin(keys[part.chunk], reg.rank, layout, needed)
                 if entry is None and not call.deadline.passed():
-                    entry = self._promote(reg, call.chunk_size, keys[part.chunk], needed)
+                    note = BlockNote(self._told(call, it, keys), part.chunk, reg.world_size)
+                    entry = self._promote(reg, call.chunk_size, keys[part.chunk], needed, note)
             if entry is None:
                 break
             pinned.append((part, entry))
         return pinned
+
+    @staticmethod
+    def _told(call: TransferCall, it: CheckedItem, keys: Sequence[bytes]) -> StoredItem:
+        """What a promoted chunk's note says of its prompt (``app.kv_events``)."""
+        ns, salt = it.item.namespace, it.item.cache_salt
+        return StoredItem(model_of(ns), salt, call.chunk_size, it.tokens, keys)
 
     def _unit_key(
         self, call: TransferCall, it: CheckedItem, keys: Sequence[bytes], part: _Part
@@ -180,7 +190,7 @@ class Retrieve:
         return loaded, cut
 
     def _promote(
-        self, reg: Registration, chunk_size: int, chunk_key: bytes, needed: int
+        self, reg: Registration, chunk_size: int, chunk_key: bytes, needed: int, note: BlockNote
     ) -> Entry | None:
         """Fetch a chunk L1 lacks from L2, check it, commit it to L1; return it pinned."""
         l2 = self._l2
@@ -204,7 +214,7 @@ class Retrieve:
         if needed & ~value.present:
             return None  # L2's copy lacks a block the caller needs: a miss
         entry = self._pool.begin_store(
-            chunk_key, reg.rank, nbytes=expected, layout=layout, present=value.present
+            chunk_key, reg.rank, nbytes=expected, layout=layout, present=value.present, note=note
         )
         if isinstance(entry, Entry):
             try:

@@ -56,6 +56,7 @@ LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 LogFormat = Literal["text", "json"]
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+ZMQ_SCHEMES = ("tcp://", "ipc://")
 
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
@@ -136,6 +137,34 @@ class Settings(BaseSettings):
         ge=4096,
         le=512 * 1024**2,
         description="Largest chunk written to or accepted from L2 (Redis allows 512MB).",
+    )
+    kv_events_endpoint: str | None = Field(
+        None,
+        description="Publish KV events in vLLM's own format (its ZmqEventPublisher's "
+        "frames: BlockStored, BlockRemoved, AllBlocksCleared) on a ZMQ PUB socket bound "
+        "here, e.g. tcp://127.0.0.1:5557 (tcp://host:* picks a free port; it is logged). "
+        "Unset: off. Routers then see what this server's pool holds (docs/cluster.md).",
+    )
+    kv_events_replay_endpoint: str | None = Field(
+        None,
+        description="A ZMQ ROUTER socket bound here replays buffered KV event batches from "
+        "the sequence number a client asks for (as vLLM's replay endpoint does).",
+    )
+    kv_events_topic: str = Field(
+        "mpcache", max_length=256, description="The topic frame of every KV event batch."
+    )
+    kv_events_queue: int = Field(
+        100_000,
+        ge=16,
+        le=10_000_000,
+        description="Pool changes waiting to become KV events; more are dropped (counted; "
+        "the batch's sequence number is skipped) and never make a store wait.",
+    )
+    kv_events_buffer: int = Field(
+        10_000,
+        ge=1,
+        le=1_000_000,
+        description="KV event batches kept for replay (--kv-events-replay-endpoint).",
     )
     log_level: LogLevel = Field("info", description="Log level (case-insensitive).")
     log_format: LogFormat = Field(
@@ -298,6 +327,19 @@ class Settings(BaseSettings):
             )
         return url
 
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        endpoint = value.strip()
+        if not endpoint.startswith(ZMQ_SCHEMES):
+            raise ValueError(
+                "must be a ZMQ endpoint to bind: tcp://host:port (tcp://host:* for a free "
+                "port) or ipc:///path/to/socket"
+            )
+        return endpoint
+
     @model_validator(mode="after")
     def _bounds(self) -> Settings:
         if self.max_chunk_size < self.chunk_size:
@@ -306,6 +348,8 @@ class Settings(BaseSettings):
             )
         if self.pool_page_size & (self.pool_page_size - 1):
             raise ValueError(f"pool_page_size ({self.pool_page_size}) must be a power of two")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         if self.pool_size < self.pool_page_size:
             raise ValueError(
                 f"pool_size ({self.pool_size}) must be at least one page ({self.pool_page_size})"

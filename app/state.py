@@ -10,6 +10,7 @@ decoder's helper process, and the pool's shared-memory segment (unlinked).
 from __future__ import annotations
 
 import logging
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from app.bindings import Binding, BindingPipeline
 from app.blend import BlendMatcher
 from app.bodies import BodyParser
 from app.chunk_size import ChunkSizeAuthority
+from app.cluster_lookup import ClusterLookups, HeldMirror, member_url
 from app.coordinator import (
     Coordinator,
     RedisCoordinator,
@@ -28,6 +30,7 @@ from app.coordinator import (
     member_info,
 )
 from app.hashing import TokenHasher
+from app.kv_events import BlockLedger, BlockPublisher, EventRecorder, ZmqSink
 from app.l2 import L2Tier
 from app.lookup_areas import LookupAreas
 from app.negotiation import NegotiationPolicy
@@ -80,6 +83,9 @@ class Runtime:
     lookup_areas: LookupAreas
     device: DevicePath
     """The GPU path: the pool pinned for DMA, the server's CUDA streams."""
+    events: BlockPublisher
+    """The block ledger's thread: KV events, the held-blocks mirror (``app.kv_events``)."""
+    cluster_lookups: ClusterLookups
     key_index: key_index.KeyIndex | None = None
     """Published for connectors on this host (``GET /cache/key-index``); None when off."""
     parser: BodyParser = field(default_factory=BodyParser)
@@ -90,6 +96,8 @@ class Runtime:
     """How scattered blocks move, for the startup log (``_block_kernel``)."""
     key_chain: str = "off"
     """How chunk keys are hashed, for the startup log (``_key_chain``)."""
+    held_mirror: HeldMirror | None = None
+    """This member's block hashes in the coordinator's Redis (None when standalone)."""
     closed: bool = field(default=False)
 
     @property
@@ -163,6 +171,9 @@ class Runtime:
             self.pool.close()
             if self.key_index is not None:
                 self.key_index.close()
+            self.events.close()
+            if self.held_mirror is not None:
+                self.held_mirror.close()
             self.coordinator.leave()
 
 
@@ -215,6 +226,47 @@ def _key_index(
     )
     pool.attach_index(index)
     return index
+
+
+def _events(
+    settings: Settings, coordinator: Coordinator, pool: Pool, telemetry: Telemetry, boot_id: str
+) -> tuple[BlockPublisher, HeldMirror | None]:
+    """The block ledger's publisher, observing ``pool`` (empty yet), with the KV events'
+    sockets if configured and the held-blocks mirror if there is a coordinator's Redis."""
+    recorder = EventRecorder(settings.kv_events_queue)
+    pool.attach_index(observer=recorder)
+    ledger = BlockLedger(events=settings.kv_events_endpoint is not None)
+    sink = None
+    if settings.kv_events_endpoint is not None:
+        try:
+            sink = ZmqSink(
+                settings.kv_events_endpoint,
+                settings.kv_events_replay_endpoint,
+                settings.kv_events_topic,
+                settings.kv_events_buffer,
+            )
+        except ValueError as exc:
+            raise StartupRefused(f"{exc} (MPCACHE_KV_EVENTS_ENDPOINT)") from exc
+    mirror = None
+    if isinstance(coordinator, RedisCoordinator) and settings.coordinator_url is not None:
+        client = connect(
+            settings.coordinator_url,
+            password=settings.redis_password,
+            timeout_s=settings.redis_timeout_s,
+            name=f"mpcache-held-{boot_id[:8]}",
+        )
+        mirror = HeldMirror(
+            client,
+            ledger=ledger,
+            deployment=settings.deployment,
+            member_id=boot_id,
+            ttl_s=settings.membership_ttl_s,
+            up=lambda: coordinator.status().state == "up",
+        )
+    publisher = BlockPublisher(
+        pool=pool, recorder=recorder, ledger=ledger, telemetry=telemetry, sink=sink, mirror=mirror
+    )
+    return publisher, mirror
 
 
 def build_runtime(settings: Settings) -> Runtime:
@@ -421,6 +473,22 @@ def _assemble(
         )
         if settings.pool_prefault:
             pool.start_prefault()
+        events, mirror = _events(settings, coordinator, pool, telemetry, boot_id)
+        lookups = ClusterLookups(
+            chunk_size=authority,
+            coordinator=coordinator,
+            ledger=events.ledger,
+            member_id=boot_id,
+            url=member_url(
+                {"host": settings.host, "port": settings.port, "hostname": socket.gethostname()}
+            ),
+            deployment=settings.deployment,
+            hasher=hasher,
+            registry=registry,
+            client=mirror.client if mirror is not None else None,
+            l2=l2,
+        )
+        events.start()
         return Runtime(
             settings=settings,
             boot_id=boot_id,
@@ -439,6 +507,9 @@ def _assemble(
             gate=gate,
             lookup_areas=areas,
             device=device,
+            events=events,
+            cluster_lookups=lookups,
+            held_mirror=mirror,
             key_index=index,
             l2=l2,
             copy_rates=copy_rates,

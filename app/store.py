@@ -6,10 +6,12 @@ from collections.abc import Sequence
 
 from app.blend import BlendMatcher
 from app.hashing import TokenHasher
+from app.kv_events import BlockNote, StoredItem
 from app.l2 import L2Tier, WriteJob
 from app.pool_pressure import PoolPressureLog
 from app.telemetry import Telemetry
 from app.transfers import CheckedItem, TransferCall, Transfers
+from contract.chunk_keys import model_of
 from contract.schemas import StoreRequest, StoreResponse, StoreResult
 from dataplane.device_path import CopyWindow
 from dataplane.layout import slot_mask
@@ -57,7 +59,8 @@ class Store:
     stream, each while the next one's copy is queued (``CopyWindow``); a chunk whose
     predecessor failed is aborted, never committed.
     A committed chunk joins the CacheBlend index (when enabled) and, with an L2 tier,
-    is queued for write-behind.
+    is queued for write-behind; its entry's note (``app.kv_events.BlockNote``) says
+    which block of which prompt it is, for the KV events.
     """
 
     def __init__(
@@ -104,9 +107,12 @@ class Store:
         outcomes = _Outcomes()
         window = CopyWindow(call.reg.cuda_device)
         copied = 0
+        ns, salt = it.item.namespace, it.item.cache_salt
+        told = StoredItem(model_of(ns), salt, call.chunk_size, it.tokens, keys)
         try:
             for chunk, units in todo:
-                copied += self._store_chunk(call, it, keys, chunk, units, window, outcomes)
+                note = None if units else BlockNote(told, chunk, call.reg.world_size)
+                copied += self._store_chunk(call, it, keys, chunk, units, window, outcomes, note)
                 if outcomes.first_failure() is not None:
                     break
             window.drain()
@@ -138,9 +144,11 @@ class Store:
         units: int,
         window: CopyWindow,
         outcomes: _Outcomes,
+        note: BlockNote | None,
     ) -> int:
         """Store one chunk (``units`` 0), or the tail of its first ``units`` units; its
-        outcome goes to ``outcomes`` (``_Outcomes``). Returns the bytes copied."""
+        outcome goes to ``outcomes`` (``_Outcomes``), and ``note`` tells the pool what
+        a committed whole chunk announces (KV events). Returns the bytes copied."""
         reg, size = call.reg, call.chunk_size
         n = outcomes.begin()
         if call.deadline.passed():
@@ -164,6 +172,7 @@ class Store:
             present=mask,
             content_key=content_key,
             unit_keys=unit_keys,
+            note=note,
         )
         if entry == PRESENT:
             outcomes.each[n] = "present"

@@ -171,6 +171,27 @@ class Telemetry:
         self.l2_queue_chunks = Gauge(
             "mpcache_l2_queue_chunks", "Committed chunks waiting to be written to L2.", registry=r
         )
+        self.tokens_loaded = Counter(
+            "mpcache_tokens_loaded",
+            "Tokens copied into KV caches by retrieves: the prefix tokens vLLM did not "
+            "recompute (the Grafana panel 'hit tokens per server').",
+            registry=r,
+        )
+        self.kv_event_batches = Counter(
+            "mpcache_kv_event_batches",
+            "KV event batches (--kv-events-endpoint), by outcome: published, or dropped "
+            "(the queue was full; its sequence number is skipped, a gap consumers see).",
+            ["outcome"],
+            registry=r,
+        )
+        self.kv_event_records_lost = Counter(
+            "mpcache_kv_event_records_lost",
+            "Pool changes the KV events queue had no room for (--kv-events-queue); the "
+            "server then starts its block ledger over from the pool.",
+            registry=r,
+        )
+        for outcome in ("published", "dropped"):
+            self.kv_event_batches.labels(outcome)
         self.request_seconds = Histogram(
             "mpcache_http_request_duration_seconds",
             "HTTP request latency by method, route template and status code.",

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from connector.alignment import KVLayout
+from contract.chunk_keys import namespace_model
 
 __all__ = ["layout_digest", "namespace_for"]
 
@@ -41,7 +42,6 @@ def namespace_for(model: str, layout: KVLayout, world_size: int, specs: Sequence
     """``<model>@<layout digest>/ws<N>``: chunks are shared only by identical layouts.
 
     A namespace is printable ASCII (``contract.schemas.NAME_PATTERN``): a model name
-    that is not, or is long (a local path), is replaced by its digest."""
-    plain = len(model) <= 200 and model.isascii() and model.isprintable()
-    name = model if plain else hashlib.sha256(model.encode(errors="surrogatepass")).hexdigest()[:32]
-    return f"{name}@{layout_digest(layout, specs)}/ws{world_size}"
+    that is not, or is long (a local path), is replaced by its digest
+    (``contract.chunk_keys.namespace_model``, which the server's block hashes use)."""
+    return f"{namespace_model(model)}@{layout_digest(layout, specs)}/ws{world_size}"

@@ -24,6 +24,8 @@ from contract.schemas import (
     BlendMatchRequest,
     BlendMatchResponse,
     ChunkSizeResponse,
+    ClusterLookupRequest,
+    ClusterLookupResponse,
     ClusterResponse,
     EndSessionsRequest,
     EndSessionsResponse,
@@ -49,6 +51,7 @@ __all__ = [
     "BLEND_MATCH",
     "CHUNK_SIZE",
     "CLUSTER",
+    "CLUSTER_LOOKUP",
     "COMMON_PROBLEMS",
     "DELETE_LOOKUP_AREA",
     "END",
@@ -195,6 +198,30 @@ CLUSTER: Endpoint[None, ClusterResponse] = Endpoint(
         "server alone. Never selects or freezes anything. When Redis cannot be reached "
         "the reply still comes, with `coordinator: down` and no members."
     ),
+)
+
+CLUSTER_LOOKUP: Endpoint[ClusterLookupRequest, ClusterLookupResponse] = Endpoint(
+    name="cluster_lookup",
+    method="POST",
+    path="/cluster/lookup",
+    request=ClusterLookupRequest,
+    response=ClusterLookupResponse,
+    guarded=True,
+    summary="Which server holds how much of a prompt, deployment-wide",
+    description=(
+        "For each live member of the deployment: how many leading tokens of the prompt it "
+        "holds in its pool (whole chunks, each held by every rank of its registration); "
+        "and how many the shared L2 holds. Opens no session and takes no lease. Members "
+        "keep the block hashes they hold in the coordinator's Redis (as their KV events "
+        "announce them, within a few tens of milliseconds), so the answer needs no call "
+        "to the other servers; a standalone server answers for itself. How to compute the "
+        "same block hashes from a prompt: docs/cluster.md."
+    ),
+    problems={
+        **_NOT_NEGOTIATED,
+        **_JSON_ONLY,
+        503: "The body decoder restarted; retry",
+    },
 )
 
 # ------------------------------------------------------------------ registration
@@ -424,6 +451,7 @@ ENDPOINTS: tuple[Endpoint[Any, Any], ...] = (
     CHUNK_SIZE,
     HEALTH,
     CLUSTER,
+    CLUSTER_LOOKUP,
     REGISTRATION_INFO,
     REGISTER,
     UNREGISTER,

@@ -84,6 +84,9 @@ __all__ = [
     "CacheOpResult",
     "ChunkSizeResponse",
     "ClusterHealth",
+    "ClusterLookupRequest",
+    "ClusterLookupResponse",
+    "ClusterLookupServer",
     "ClusterMember",
     "ClusterResponse",
     "CudaIpcTensor",
@@ -858,6 +861,73 @@ class LookupResponse(_Reply):
     )
 
     results: list[LookupResult]
+
+
+class ClusterLookupRequest(TokenSpan):
+    """A prompt to find across the deployment (``POST /cluster/lookup``)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "meta-llama/Llama-3.1-8B",
+                    "tokens": [128000, 791, 4062, 14198],
+                    "cache_salt": None,
+                }
+            ]
+        }
+    )
+
+    model: str = Field(
+        min_length=1,
+        max_length=4096,
+        pattern=TEXT_PATTERN,
+        description="The model name vLLM's connector negotiated with (vLLM's `--model`).",
+    )
+    cache_salt: str | None = Field(None, max_length=256)
+
+
+class ClusterLookupServer(_Reply):
+    member_id: str = Field(description="The member's boot_id.")
+    url: str | None = Field(description="Its HTTP address, as it published it (null: none).")
+    l1_tokens: int = Field(
+        description="Leading tokens of the prompt it holds in its pool, in whole chunks."
+    )
+
+
+class ClusterLookupResponse(_Reply):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "chunk_size": 256,
+                    "servers": [
+                        {
+                            "member_id": "5f0c3c1e9a2b4d7e8f10a2b3c4d5e6f7",
+                            "url": "http://10.0.0.5:8733",
+                            "l1_tokens": 1024,
+                        },
+                        {
+                            "member_id": "9a1d2e3f4b5c6d7e8f9a0b1c2d3e4f5a",
+                            "url": "http://10.0.0.6:8733",
+                            "l1_tokens": 0,
+                        },
+                    ],
+                    "l2_tokens": 512,
+                }
+            ]
+        }
+    )
+
+    chunk_size: int = Field(description="The chunk size the counts are in whole chunks of.")
+    servers: list[ClusterLookupServer] = Field(
+        description="Each live member of the deployment, the answering server first (it "
+        "alone when standalone, or when the coordinator cannot be reached)."
+    )
+    l2_tokens: int = Field(
+        description="Leading tokens the shared L2 tier holds for every rank (0 without L2, "
+        "or when the answering server has no registration of the model)."
+    )
 
 
 class TransferItem(TokenSpan):

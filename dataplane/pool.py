@@ -15,14 +15,22 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, Protocol
 
 import torch
 
 from dataplane.key_index import KeyIndex
 from dataplane.segments import Segment
 
-__all__ = ["MAX_EVICTION_SCAN", "PRESENT", "Entry", "PageAllocator", "Pool", "PoolStats"]
+__all__ = [
+    "MAX_EVICTION_SCAN",
+    "PRESENT",
+    "Entry",
+    "EntryObserver",
+    "PageAllocator",
+    "Pool",
+    "PoolStats",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +137,9 @@ class Entry:
     unit_keys: tuple[bytes, ...] = ()
     """The unit keys this entry answers (``_Units``): a whole chunk's first 1, 2, ...
     units short of the whole; a tail's units, the last being its own key."""
+    note: object = None
+    """What the caller of ``begin_store`` says about the entry, opaque to the pool; an
+    ``EntryObserver`` reads it (the KV events: ``app.kv_events``)."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +152,16 @@ class PoolStats:
 
 
 DropHook = Callable[[Sequence[Entry], DropReason], None]
+
+
+class EntryObserver(Protocol):
+    """Told, under the pool's lock, when a whole chunk's entry becomes visible or stops
+    being visible (tails are not told), in the order it happens. It must only record
+    (no I/O, no lock of its own that waits, never a call back into the pool)."""
+
+    def added(self, entry: Entry) -> None: ...
+
+    def removed(self, entry: Entry) -> None: ...
 
 
 @dataclass(slots=True)
@@ -230,18 +251,23 @@ class _Units:
     prompt's chunk has in the index are always a leading run.
     """
 
-    __slots__ = ("holders", "index")
+    __slots__ = ("holders", "index", "observer")
 
     def __init__(self) -> None:
         self.holders: dict[tuple[bytes, int], list[Entry]] = {}
         self.index: KeyIndex | None = None
         """Told when a ``(unit key, rank)`` gains its first entry or loses its last."""
+        self.observer: EntryObserver | None = None
+        """Told when a whole chunk's entry is added or removed."""
 
     def add(self, entry: Entry) -> list[Entry]:
         """Register a visible ``entry``'s keys; return the tails it makes redundant
         (same rank and layout, and it holds every slot they hold)."""
-        if self.index is not None and not _is_tail(entry):
-            self.index.set(entry.key, entry.rank, True)  # a whole chunk's own key
+        if not _is_tail(entry):
+            if self.index is not None:
+                self.index.set(entry.key, entry.rank, True)  # a whole chunk's own key
+            if self.observer is not None:
+                self.observer.added(entry)
         covered = []
         for key in entry.unit_keys:
             found = self.holders.setdefault((key, entry.rank), [])
@@ -260,8 +286,11 @@ class _Units:
 
     def remove(self, entry: Entry) -> None:
         """Forget an entry that is no longer visible."""
-        if self.index is not None and not _is_tail(entry):
-            self.index.set(entry.key, entry.rank, False)
+        if not _is_tail(entry):
+            if self.index is not None:
+                self.index.set(entry.key, entry.rank, False)
+            if self.observer is not None:
+                self.observer.removed(entry)
         for key in entry.unit_keys:
             found = self.holders.get((key, entry.rank))
             if found is not None and entry in found:
@@ -288,6 +317,31 @@ class _Units:
             if all(found):
                 return count, [entry for entries in found if entries for entry in entries]
         return 0, []
+
+
+class _Prefault:
+    """The thread that populates a segment's page tables (``Segment.prefault``)."""
+
+    def __init__(self, segment: Segment) -> None:
+        self._segment = segment
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, address: int) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(
+            target=self._segment.prefault,
+            args=(address, self._stop),
+            name="mpcache-pool-prefault",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 class Pool:
@@ -345,8 +399,7 @@ class Pool:
         self._clock = clock
         self._lock = threading.Lock()
         self.on_drop = on_drop
-        self._prefault_stop = threading.Event()
-        self._prefault_thread: threading.Thread | None = None
+        self._prefault = _Prefault(segment)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -363,23 +416,12 @@ class Pool:
 
     def start_prefault(self) -> None:
         """Populate the pool's page tables in a background thread (stopped by ``close``)."""
-        base = self._bytes
-        if base is None or self._prefault_thread is not None:
-            return
-        address = base.data_ptr()
-        self._prefault_thread = threading.Thread(
-            target=self.segment.prefault,
-            args=(address, self._prefault_stop),
-            name="mpcache-pool-prefault",
-            daemon=True,
-        )
-        self._prefault_thread.start()
+        if self._bytes is not None:
+            self._prefault.start(self._bytes.data_ptr())
 
     def close(self) -> None:
         """Drop every entry, unmap and unlink the pool's segment. Idempotent."""
-        self._prefault_stop.set()
-        if self._prefault_thread is not None:
-            self._prefault_thread.join()
+        self._prefault.stop()
         with self._lock:
             if self._bytes is None:
                 return
@@ -392,13 +434,24 @@ class Pool:
         self.segment.close()
         self._notify(dropped, "closed")
 
-    def attach_index(self, index: KeyIndex) -> None:
-        """From now on, keep ``index`` in step with what is visible (the pool is empty
-        when the server attaches it)."""
+    def attach_index(
+        self, index: KeyIndex | None = None, observer: EntryObserver | None = None
+    ) -> None:
+        """From now on, keep ``index`` in step with what is visible, and tell ``observer``
+        which whole chunks come and go (the pool is empty when the server attaches them)."""
         with self._lock:
             if self._index:
                 raise RuntimeError("attach the key index to an empty pool")
-            self._units.index = index
+            if index is not None:
+                self._units.index = index
+            if observer is not None:
+                self._units.observer = observer
+
+    def whole_entries(self, then: Callable[[], None]) -> list[Entry]:
+        """The visible whole-chunk entries; ``then`` runs under the same hold of the lock."""
+        with self._lock:
+            then()
+            return [e for e in self._index.values() if not _is_tail(e)]
 
     # ------------------------------------------------------------------ reads
 
@@ -536,6 +589,7 @@ class Pool:
         present: int,
         content_key: bytes | None = None,
         unit_keys: Sequence[bytes] = (),
+        note: object = None,
     ) -> Entry | Literal["present"] | None:
         """Reserve a pending entry, or say the chunk is ``PRESENT``, or None if no room.
 
@@ -544,7 +598,7 @@ class Pool:
         it lacked), so a replacement never loses a slot; otherwise the first writer
         wins. ``unit_keys``: the unit keys the entry will answer (``_Units``); a tail,
         whose key is the last of them, is ``PRESENT`` when an entry already answers
-        it with every slot it would hold.
+        it with every slot it would hold. ``note``: the entry's ``Entry.note``.
         """
         if nbytes < 1:
             raise ValueError(f"nbytes must be >= 1, got {nbytes}")
@@ -582,6 +636,7 @@ class Pool:
                     nbytes=nbytes,
                     offset_bytes=first_page * self.page_size,
                     unit_keys=tuple(unit_keys),
+                    note=note,
                 )
                 self._pending[ident] = entry
         self._notify(evicted, "evicted")

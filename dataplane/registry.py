@@ -266,6 +266,12 @@ class Registry:
                     return reg.layout.signature
         return None
 
+    def namespaces(self) -> list[tuple[str, int, bytes]]:
+        """Each ``(namespace, world size, layout signature)`` registered here, once."""
+        with self._lock:
+            found = {(r.namespace, r.world_size, r.layout.signature) for r in self._regs.values()}
+        return sorted(found)
+
     def add(
         self,
         reg: Registration,

@@ -100,10 +100,12 @@ def server_process(
     env: dict[str, str] | None = None,
     uvicorn: bool = False,
     open_files: int | None = None,
+    start_timeout_s: float = 30.0,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Run a real server process on 127.0.0.1; yield (base_url, process).
 
-    ``open_files``: the process's soft and hard limit on open descriptors."""
+    ``open_files``: the process's soft and hard limit on open descriptors;
+    ``start_timeout_s``: how long it may take to answer ``/health``."""
     port = port or free_port()
     full_env = {**os.environ, **(env or {})}
     if uvicorn:
@@ -129,7 +131,7 @@ def server_process(
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, proc)
+        wait_healthy(url, proc, start_timeout_s)
         yield url, proc
     finally:
         if proc.poll() is None:

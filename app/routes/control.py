@@ -13,6 +13,8 @@ from app.state import Runtime
 from contract import endpoints
 from contract.schemas import (
     ChunkSizeResponse,
+    ClusterLookupRequest,
+    ClusterLookupResponse,
     ClusterResponse,
     HealthResponse,
     NegotiateRequest,
@@ -78,3 +80,10 @@ async def health(runtime: RuntimeDep) -> HealthResponse:
 def cluster(runtime: RuntimeDep) -> ClusterResponse:
     # A plain function: FastAPI runs it in its thread pool, off the event loop.
     return runtime.cluster()
+
+
+@declare(router, endpoints.CLUSTER_LOOKUP)
+async def cluster_lookup(request: Request, runtime: RuntimeDep) -> ClusterLookupResponse:
+    body = await read_json(request, ClusterLookupRequest)
+    # Hashing a long prompt and asking Redis: off the event loop.
+    return await run_in_threadpool(runtime.cluster_lookups.answer, body)
