@@ -40,12 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from bench.common import MIN_ROUNDS, Rounds, load_line, results
-from contract.schemas import MemfdTensor
-from dataplane.descriptors import tensor_geometry
 from dataplane.device_path import CopyWindow, DevicePath, PoolPinning
-from dataplane.layout import BlockTensorSpec, GroupSpec, chunk_layout
-from dataplane.plans import TensorPlan, make_plan
 from dataplane.transfer import gather_chunk, scatter_chunk
+from tests.dataplane.support import attention_plans
 
 FIGURES = (
     "store D2H / cudaMemcpy D2H",
@@ -92,29 +89,6 @@ class Pool:
         self.buf.close()
 
 
-def _plans(tensors: list[torch.Tensor], chunk: int) -> tuple[list[TensorPlan], int]:
-    geos = [
-        tensor_geometry(
-            MemfdTensor(
-                ticket="bench",
-                offset_bytes=0,
-                shape=list(t.shape),
-                stride=list(t.stride()),
-                dtype="bfloat16",
-                block_dim=1,
-            )
-        )
-        for t in tensors
-    ]
-    specs = [
-        BlockTensorSpec(f"l{i}", 0, g.dtype_name, g.itemsize, g.shape, 1)
-        for i, g in enumerate(geos)
-    ]
-    layout = chunk_layout(chunk, [GroupSpec(0, "attention", BLOCK_TOKENS)], specs)
-    plans = [make_plan(t, g, r) for t, g, r in zip(tensors, geos, layout.regions, strict=True)]
-    return plans, layout.chunk_bytes
-
-
 def _seconds(run: Callable[[], None], stream: torch.cuda.Stream) -> float:
     stream.synchronize()
     begin = time.perf_counter()
@@ -144,7 +118,7 @@ def main() -> None:
     num_blocks = 2 * args.chunks * per_chunk + 1  # block 0 is vLLM's null block
     shape = (2, num_blocks, BLOCK_TOKENS, args.kv_heads, args.head_dim)
     kv = [torch.randn(shape, device=device).bfloat16() for _ in range(args.layers)]
-    plans, chunk_bytes = _plans(kv, args.chunk_tokens)
+    plans, chunk_bytes = attention_plans(kv, args.chunk_tokens, BLOCK_TOKENS)
     rng = np.random.default_rng(0)
     order = rng.permutation(np.arange(1, num_blocks))  # vLLM's free list, shuffled
     stored = [order[k * per_chunk : (k + 1) * per_chunk] for k in range(args.chunks)]

@@ -91,10 +91,6 @@ class Lane:
                     job.revoked.update(ids)
         return running
 
-    def busy(self) -> bool:
-        with self._lock:
-            return bool(self._jobs)
-
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait (at most ``timeout_s``) until every job submitted so far is done."""
         with self._lock:

@@ -236,7 +236,7 @@ class MPCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def _finished_stores(self, finished_req_ids: set[str]) -> set[str]:
         try:
             return self._worker().take_finished_stores(finished_req_ids)
-        except Exception as exc:  # never reached in practice: the ledger is plain sets
+        except Exception as exc:  # nothing raises into vLLM's step
             self._swallow("finished stores", exc)
             return set()
 

@@ -69,7 +69,8 @@ MAX_QUEUED_STORES = 4
 """Store calls that may wait behind the running one; a step beyond them is not stored."""
 
 MAX_QUEUED_LOADS = 1 << 16
-"""Loads are never dropped (vLLM waits for each): the bound only caps memory."""
+"""Far more retrieve calls than vLLM has requests waiting: it only caps memory (a step
+beyond it has its loads reported failed, so vLLM recomputes them)."""
 
 
 def _ids(ops: Iterable[TransferOp]) -> frozenset[str]:

@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from tests.connector.fakes import FakeServer
+
 # vLLM reads these at import time; set them before any test imports it.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -88,3 +90,15 @@ def built() -> Iterator[list[Any]]:
     yield made
     for c in made:
         c.shutdown()
+
+
+@pytest.fixture
+def fake_server(monkeypatch: pytest.MonkeyPatch) -> FakeServer:
+    """An in-memory server every connector built in the test talks to."""
+    require_vllm()
+    from connector import MPCacheConnector
+
+    fake = FakeServer("http://fake:1", min_chunk_size=64)
+    monkeypatch.setattr(MPCacheConnector, "transport_factory", lambda url: fake.transport())
+    monkeypatch.setattr(MPCacheConnector, "async_transport_factory", lambda url: fake.transport())
+    return fake

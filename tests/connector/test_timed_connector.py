@@ -47,17 +47,6 @@ def test_every_connector_call_of_vllms_step_is_timed() -> None:
     assert all(callable(getattr(KVConnectorBase_V1, name)) for name in STEP_CALLS)
 
 
-@pytest.fixture
-def fake_server(monkeypatch: pytest.MonkeyPatch) -> FakeServer:
-    require_vllm()
-    from connector import MPCacheConnector
-
-    fake = FakeServer("http://fake:1", min_chunk_size=64)
-    monkeypatch.setattr(MPCacheConnector, "transport_factory", lambda url: fake.transport())
-    monkeypatch.setattr(MPCacheConnector, "async_transport_factory", lambda url: fake.transport())
-    return fake
-
-
 def _timed_connector(tiny_model_dir: Path, fake: FakeServer, role: str) -> Any:
     import torch
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from tests.connector.conftest import require_vllm
 from tests.connector.fakes import FakeServer
 from tests.support import wait_until
 
@@ -25,15 +24,12 @@ pytestmark = pytest.mark.vllm
 def _engine(
     tiny_model_dir: Path,
     built: list[Any],
-    monkeypatch: pytest.MonkeyPatch,
     fake: FakeServer,
     *,
     num_blocks: int,
     max_batched: int = 256,
 ) -> tuple[Any, Any]:
     """(scheduler, CPU worker) with the connector talking to ``fake``."""
-    require_vllm()
-    from connector import MPCacheConnector
     from tests.connector.vllm_support import (
         CpuWorker,
         make_connector,
@@ -42,8 +38,6 @@ def _engine(
         make_vllm_config,
     )
 
-    monkeypatch.setattr(MPCacheConnector, "transport_factory", lambda url: fake.transport())
-    monkeypatch.setattr(MPCacheConnector, "async_transport_factory", lambda url: fake.transport())
     config = make_vllm_config(
         tiny_model_dir, {"mpcache.server_urls": fake.url}, max_num_batched_tokens=max_batched
     )
@@ -68,7 +62,7 @@ def _free_blocks(scheduler: Any) -> int:
 
 
 def test_finished_and_aborted_requests_keep_their_blocks_until_their_store_is_done(
-    tiny_model_dir: Path, built: list[Any], monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, built: list[Any], fake_server: FakeServer
 ) -> None:
     """A finishes and B is aborted while the store reading their blocks is held: vLLM
     must not hand those blocks to C, and frees them once the store has returned."""
@@ -76,8 +70,8 @@ def test_finished_and_aborted_requests_keep_their_blocks_until_their_store_is_do
 
     from tests.connector.vllm_support import make_request
 
-    fake = FakeServer("http://fake:1", min_chunk_size=64)
-    scheduler, worker = _engine(tiny_model_dir, built, monkeypatch, fake, num_blocks=32)
+    fake = fake_server
+    scheduler, worker = _engine(tiny_model_dir, built, fake, num_blocks=32)
     idle = _free_blocks(scheduler)
     gate = fake.hold("/cache/store")
     scheduler.add_request(make_request("A", [(i * 37 + 11) % 997 for i in range(150)]))
@@ -101,7 +95,10 @@ def test_finished_and_aborted_requests_keep_their_blocks_until_their_store_is_do
 
 
 def test_a_preempted_request_is_not_rewritten_while_its_store_runs(
-    tiny_model_dir: Path, built: list[Any], monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path,
+    built: list[Any],
+    fake_server: FakeServer,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two prompts fill the cache and a decode step preempts B. B's blocks go back to
     vLLM in that step's schedule, so the step's forward may write them: it must run
@@ -114,11 +111,9 @@ def test_a_preempted_request_is_not_rewritten_while_its_store_runs(
     """
     from tests.connector.vllm_support import make_request
 
-    fake = FakeServer("http://fake:1", min_chunk_size=64)
+    fake = fake_server
     # 13 usable blocks: the prompts take 12, A's first decode the 13th.
-    scheduler, worker = _engine(
-        tiny_model_dir, built, monkeypatch, fake, num_blocks=14, max_batched=160
-    )
+    scheduler, worker = _engine(tiny_model_dir, built, fake, num_blocks=14, max_batched=160)
     gate = fake.hold("/cache/store")
     for rid, seed in (("A", 11), ("B", 503)):
         prompt = [(i * 37 + seed) % 997 for i in range(96)]

@@ -244,15 +244,10 @@ def step_until(worker: Any, done: Callable[[Any], bool], what: str) -> Any:
 
 @pytest.mark.vllm
 def test_scheduler_in_the_loop_fake_server(
-    tiny_model_dir: Path, built: list[Any], monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, built: list[Any], fake_server: FakeServer
 ) -> None:
     """Control flow with vLLM's real Scheduler against the in-memory server."""
-    require_vllm()
-    from connector import MPCacheConnector
-
-    fake = FakeServer("http://fake:1", min_chunk_size=64)
-    monkeypatch.setattr(MPCacheConnector, "transport_factory", lambda url: fake.transport())
-    monkeypatch.setattr(MPCacheConnector, "async_transport_factory", lambda url: fake.transport())
+    fake = fake_server
     _worker, new, _prompt, _loaded, _ = _run_two_requests(
         tiny_model_dir, {"mpcache.server_urls": fake.url}, built, key_index=False
     )
@@ -291,18 +286,6 @@ def test_scheduler_in_the_loop_real_server(
 
 
 # ------------------------------------------------------------ failure contract
-
-
-@pytest.fixture
-def fake_server(monkeypatch: pytest.MonkeyPatch) -> FakeServer:
-    """An in-memory server every connector built in the test talks to."""
-    require_vllm()
-    from connector import MPCacheConnector
-
-    fake = FakeServer("http://fake:1", min_chunk_size=64)
-    monkeypatch.setattr(MPCacheConnector, "transport_factory", lambda url: fake.transport())
-    monkeypatch.setattr(MPCacheConnector, "async_transport_factory", lambda url: fake.transport())
-    return fake
 
 
 @pytest.mark.vllm

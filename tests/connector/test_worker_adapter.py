@@ -8,6 +8,7 @@ import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -84,6 +85,13 @@ def _map_memfd(fd: int) -> mmap.mmap:
         return mmap.mmap(dup, os.fstat(dup).st_size)
     finally:
         os.close(dup)
+
+
+def registered(made: list[WorkerAdapter], server: FakeServer, **kwargs: Any) -> WorkerAdapter:
+    """``make``'s worker with its two layers' KV caches registered."""
+    worker = make(made, server, **kwargs)
+    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    return worker
 
 
 def save(worker: WorkerAdapter, plan: StepPlan) -> None:
@@ -245,8 +253,7 @@ def test_refused_registration_degrades(workers: list[WorkerAdapter]) -> None:
 
 def test_store_then_load_and_failures(workers: list[WorkerAdapter]) -> None:
     server = FakeServer(min_chunk_size=64)
-    worker = make(workers, server)
-    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    worker = registered(workers, server)
     tokens = list(range(200))
     save(worker, StepPlan(stores=(_op("A", tokens, 0, 128, [1, 2, 3, 4, 5, 6, 7, 7]),)))
     (store_call,) = [c for c in server.calls if c[1] == "/cache/store"]
@@ -332,8 +339,7 @@ def test_unexpected_error_fails_every_load_of_the_step(
 ) -> None:
     """A CUDA sync error (or any escape) must not leave loads reported as done."""
     server = FakeServer(min_chunk_size=64)
-    worker = make(workers, server, groups=groups)
-    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    worker = registered(workers, server, groups=groups)
     assert worker.available
 
     def cuda_error() -> None:
@@ -361,8 +367,7 @@ def test_finished_loads_for_get_finished_keep_request_failures(
     kept for take_transfer_results instead of being reported as a success."""
     server = FakeServer(min_chunk_size=64)
     groups = [Group(AttnSpec(16), ["l0"]), Group(AttnSpec(32), ["l1"])]
-    worker = make(workers, server, groups=groups)
-    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    worker = registered(workers, server, groups=groups)
     ok = TransferOp("OK", 0, 64, encode_tokens(range(64)), [[0, 0, 0, 0], [0, 0]])
     bad = TransferOp("BAD", 0, 64, encode_tokens(range(64)), [[1, 2, 3, 4], [5, 6]])
     load(worker, StepPlan(loads=(ok, bad)))
@@ -375,8 +380,7 @@ def test_finished_loads_for_get_finished_keep_request_failures(
 def test_multi_group_failures_are_request_level(workers: list[WorkerAdapter]) -> None:
     server = FakeServer(min_chunk_size=64)
     groups = [Group(AttnSpec(16), ["l0"]), Group(AttnSpec(32), ["l1"])]
-    worker = make(workers, server, groups=groups)
-    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    worker = registered(workers, server, groups=groups)
     op = TransferOp("A", 0, 64, encode_tokens(range(64)), [[1, 2, 3, 4], [5, 6]])
     load(worker, StepPlan(loads=(op,)))
     assert worker.take_transfer_results() == ({"A"}, {"A"})
@@ -385,8 +389,7 @@ def test_multi_group_failures_are_request_level(workers: list[WorkerAdapter]) ->
 
 def test_degraded_worker_skips_stores_and_fails_loads(workers: list[WorkerAdapter]) -> None:
     server = FakeServer(min_chunk_size=64)
-    worker = make(workers, server)
-    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    worker = registered(workers, server)
     server.up = False
     tokens = list(range(128))
     save(worker, StepPlan(stores=(_op("A", tokens, 0, 128, [1, 2, 3, 4, 5, 6, 7, 1]),)))
@@ -400,8 +403,7 @@ def test_degraded_worker_skips_stores_and_fails_loads(workers: list[WorkerAdapte
 
 def test_restart_reregisters(workers: list[WorkerAdapter]) -> None:
     server = FakeServer(min_chunk_size=64)
-    worker = make(workers, server, heartbeat=True)
-    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    worker = registered(workers, server, heartbeat=True)
     server.restart()
     assert server.registrations == {}
     wait_until(lambda: worker.link.healthy and worker.link.boot_id == server.boot_id)
@@ -418,8 +420,7 @@ def test_heartbeat_calls_wait_the_configured_timeout_not_the_interval(
     put vLLM in degraded mode, and a registration reply cut short locked the worker
     out (its retry was refused as another client's)."""
     server = FakeServer(min_chunk_size=64)
-    worker = make(workers, server, heartbeat=True)
-    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    worker = registered(workers, server, heartbeat=True)
     assert worker.config.heartbeat_interval_s < worker.config.heartbeat_timeout_s
     calls_before = len(server.client_timeouts)
     server.restart()
@@ -433,8 +434,7 @@ def test_heartbeat_calls_wait_the_configured_timeout_not_the_interval(
 
 def test_restart_with_other_size_keeps_worker_degraded(workers: list[WorkerAdapter]) -> None:
     server = FakeServer(min_chunk_size=64)
-    worker = make(workers, server, heartbeat=True)
-    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    worker = registered(workers, server, heartbeat=True)
     server.restart(min_chunk_size=65)  # -> 80
     wait_until(lambda: not worker.link.healthy)
     rounds = worker.heartbeat.rounds
@@ -487,8 +487,7 @@ def test_a_load_returns_before_its_call_and_lands_with_its_failed_blocks(
     workers: list[WorkerAdapter],
 ) -> None:
     server = FakeServer(min_chunk_size=64)
-    worker = make(workers, server)
-    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    worker = registered(workers, server)
     tokens = list(range(128))
     save(worker, StepPlan(stores=(_op("A", tokens, 0, 64, [1, 2, 3, 4]),)))
     gate = server.hold("/cache/retrieve")
@@ -511,8 +510,7 @@ def test_a_load_whose_server_dies_mid_call_is_reported_failed(
     workers: list[WorkerAdapter],
 ) -> None:
     server = FakeServer(min_chunk_size=64)
-    worker = make(workers, server)
-    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    worker = registered(workers, server)
     gate = server.hold("/cache/retrieve")
     worker.start_load(StepPlan(loads=(_op("B", list(range(64)), 0, 64, [0, 2, 3, 4]),)))
     wait_until(lambda: server.arrived.get("/cache/retrieve") == 1, what="the retrieve call")
@@ -526,8 +524,7 @@ def test_a_load_whose_server_dies_mid_call_is_reported_failed(
 
 def test_a_finished_request_is_freed_only_after_its_stores(workers: list[WorkerAdapter]) -> None:
     server = FakeServer(min_chunk_size=64)
-    worker = make(workers, server)
-    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    worker = registered(workers, server)
     gate = server.hold("/cache/store")
     worker.save(StepPlan(stores=(_op("A", list(range(64)), 0, 64, [1, 2, 3, 4]),)))
     wait_until(lambda: server.arrived.get("/cache/store") == 1, what="the store call")
@@ -557,8 +554,7 @@ def test_preemption_revokes_queued_stores_and_waits_for_the_running_one(
     workers: list[WorkerAdapter],
 ) -> None:
     server = FakeServer(min_chunk_size=64)
-    worker = make(workers, server)
-    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    worker = registered(workers, server)
     tokens = list(range(128))
     gate = server.hold("/cache/store")
     worker.save(StepPlan(stores=(_op("A", tokens, 0, 64, [1, 2, 3, 4]),)))
@@ -586,8 +582,7 @@ def test_preemption_revokes_queued_stores_and_waits_for_the_running_one(
 
 def test_a_full_store_lane_drops_the_step(workers: list[WorkerAdapter]) -> None:
     server = FakeServer(min_chunk_size=64)
-    worker = make(workers, server)
-    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    worker = registered(workers, server)
     gate = server.hold("/cache/store")
     rids = [f"R{i}" for i in range(MAX_QUEUED_STORES + 2)]
     for i, rid in enumerate(rids):
@@ -606,8 +601,7 @@ def test_windowed_layouts_wait_for_their_stores(workers: list[WorkerAdapter]) ->
     must be over before the next step's forward."""
     server = FakeServer(min_chunk_size=64)
     groups = [Group(AttnSpec(16), ["l0"]), Group(SlidingWindowSpec(16), ["l1"])]
-    worker = make(workers, server, groups=groups)
-    worker.register_kv_caches({"l0": _kv(0), "l1": _kv(1)})
+    worker = registered(workers, server, groups=groups)
     assert worker.stores_wait
     op = TransferOp("A", 0, 64, encode_tokens(range(64)), [[1, 2, 3, 4], [5, 6, 7, 1]])
     worker.save(StepPlan(stores=(op,)))

@@ -29,10 +29,13 @@ from contract.fdpass import (
     HANDSHAKE_MAGIC,
     decode_reply,
 )
-from contract.schemas import REGISTRATION_TOKEN_HEADER
+from contract.schemas import REGISTRATION_TOKEN_HEADER, MemfdTensor
 from contract.shm_naming import SHM_DIR
 from dataplane import blockcopy
 from dataplane.blockcopy import BlockCopier
+from dataplane.descriptors import tensor_geometry
+from dataplane.layout import BlockTensorSpec, GroupSpec, chunk_layout
+from dataplane.plans import TensorPlan, make_plan
 from tests.support import require_kernel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -435,3 +438,30 @@ def streaming_kernel() -> BlockCopier:
     """The streaming block kernel; skips without a C compiler (fails under CI,
     whose machines have one: a kernel that stopped building must not go unseen)."""
     return require_kernel(blockcopy.load, "streaming block kernel")
+
+
+def attention_plans(
+    tensors: Sequence[torch.Tensor], chunk_tokens: int, block_tokens: int
+) -> tuple[list[TensorPlan], int]:
+    """Copy plans of bfloat16 ``tensors`` in vLLM's KV layout (blocks on dim 1), one
+    attention group of ``block_tokens``-token blocks, and a chunk's bytes."""
+    geos = [
+        tensor_geometry(
+            MemfdTensor(
+                ticket="t",
+                offset_bytes=0,
+                shape=list(t.shape),
+                stride=list(t.stride()),
+                dtype="bfloat16",
+                block_dim=1,
+            )
+        )
+        for t in tensors
+    ]
+    specs = [
+        BlockTensorSpec(f"l{i}", 0, g.dtype_name, g.itemsize, g.shape, 1)
+        for i, g in enumerate(geos)
+    ]
+    layout = chunk_layout(chunk_tokens, [GroupSpec(0, "attention", block_tokens)], specs)
+    plans = [make_plan(t, g, r) for t, g, r in zip(tensors, geos, layout.regions, strict=True)]
+    return plans, layout.chunk_bytes

@@ -23,15 +23,14 @@ import app.retrieve
 import app.store
 from connector.device_order import DeviceOrder
 from contract.errors import InvalidRequest
-from contract.schemas import EVENT_HANDLE_BYTES, MemfdTensor, RetrieveRequest, StoreRequest
+from contract.schemas import EVENT_HANDLE_BYTES, RetrieveRequest, StoreRequest
 from dataplane import device_path, registry, transfer
-from dataplane.descriptors import tensor_geometry
 from dataplane.device_path import HOST_REGISTER_PORTABLE, CopyWindow, DevicePath, PoolPinning
-from dataplane.layout import BlockTensorSpec, GroupSpec, chunk_layout
-from dataplane.plans import TensorPlan, make_plan
+from dataplane.plans import TensorPlan
 from tests.dataplane.support import (
     CacheClient,
     KVFactory,
+    attention_plans,
     lookup,
     random_tokens,
     register_body,
@@ -300,29 +299,9 @@ def _device_like_plans(
 ) -> tuple[list[TensorPlan], int]:
     """Plans of ``tensors`` (vLLM's KV layout, block dim 1) that take the device
     route (no numpy array), and the chunk's bytes."""
-    geos = [
-        tensor_geometry(
-            MemfdTensor(
-                ticket="t",
-                offset_bytes=0,
-                shape=list(t.shape),
-                stride=list(t.stride()),
-                dtype="bfloat16",
-                block_dim=1,
-            )
-        )
-        for t in tensors
-    ]
-    specs = [
-        BlockTensorSpec(f"l{i}", 0, g.dtype_name, g.itemsize, g.shape, 1)
-        for i, g in enumerate(geos)
-    ]
-    layout = chunk_layout(16 * n_per_chunk, [GroupSpec(0, "attention", 16)], specs)
-    plans = [
-        dataclasses.replace(make_plan(t, g, r), array=None, rows=None, region_rows=None)
-        for t, g, r in zip(tensors, geos, layout.regions, strict=True)
-    ]
-    return plans, layout.chunk_bytes
+    plans, chunk_bytes = attention_plans(tensors, 16 * n_per_chunk, 16)
+    device = [dataclasses.replace(p, array=None, rows=None, region_rows=None) for p in plans]
+    return device, chunk_bytes
 
 
 @pytest.mark.parametrize(("store_ids", "load_ids"), DEVICE_ID_PAIRS)
