@@ -115,6 +115,7 @@ def _ask(sched: SchedulerAdapter, request: _Request) -> tuple[float, float, int]
         need, _ = sched.get_num_new_matched_tokens(request, 0)
     answered = (time.perf_counter() - begin) * 1e3
     sched.request_finished(request)
+    sched.transfers_finished({request.request_id})  # vLLM's finished_sending
     return first, answered, need
 
 
@@ -160,6 +161,7 @@ def main() -> None:
                 worker.save(plan)
                 assert worker.flush(10.0)  # its lane has sent it
                 sched.request_finished(st)
+                sched.transfers_finished({st.request_id})  # vLLM's finished_sending
 
             def build(i: int) -> float:
                 step = _Step()

@@ -257,6 +257,7 @@ def _burst(
     assert not wrong, f"answers other than {expect}: {wrong}"
     for request in requests:
         sched.request_finished(request)
+        sched.transfers_finished({request.request_id})  # vLLM's finished_sending
     sched.build_connector_meta(_Step())  # ends their sessions
     return {
         "first step": steps[0],

@@ -44,6 +44,57 @@ __all__ = ["SchedulerAdapter"]
 logger = logging.getLogger("mpcache.connector")
 
 
+class _Landing:
+    """Finished requests whose stores are still on their way to the server, by their
+    first chunk of tokens.
+
+    A prompt that starts like one of them (the same prompt again, a chat's next turn)
+    is asked about again next step instead of now, so its lookup sees the chunks
+    those stores bring rather than miss them by a few milliseconds: until the stores
+    are done (``landed``) or, should a report never come, ``bound_s`` has passed.
+    """
+
+    def __init__(self, chunk_size: int, bound_s: float, clock: Callable[[], float]) -> None:
+        self._chunk_size = chunk_size
+        self._bound_s = bound_s
+        self._clock = clock
+        self._prefix: dict[str, tuple[tuple[int, ...], float]] = {}  # id: (chunk, deadline)
+        self._waiting: dict[tuple[int, ...], set[str]] = {}  # first chunk: ids
+
+    def add(self, request: Any) -> None:
+        tokens = request.all_token_ids
+        if len(tokens) < self._chunk_size:
+            return
+        first = tuple(tokens[: self._chunk_size])
+        self._prefix[request.request_id] = (first, self._clock() + self._bound_s)
+        self._waiting.setdefault(first, set()).add(request.request_id)
+
+    def landed(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            entry = self._prefix.pop(rid, None)
+            if entry is None:
+                continue
+            ids = self._waiting[entry[0]]
+            ids.discard(rid)
+            if not ids:
+                del self._waiting[entry[0]]
+
+    def awaited_by(self, request: Any) -> bool:
+        """Whether ``request`` should wait a step for stores that may serve it."""
+        if not self._waiting:
+            return False
+        tokens = request.all_token_ids
+        if len(tokens) <= self._chunk_size:
+            return False
+        ids = self._waiting.get(tuple(tokens[: self._chunk_size]))
+        if not ids:
+            return False
+        now = self._clock()
+        late = [rid for rid in ids if self._prefix[rid][1] <= now]
+        self.landed(late)
+        return len(late) < len(ids)
+
+
 class SchedulerAdapter:
     """The scheduler role of the connector (see module docstring)."""
 
@@ -82,6 +133,7 @@ class SchedulerAdapter:
         self._ended: list[str] = []
         # Requests a plan carried stores for, until vLLM frees their blocks.
         self._storing: set[str] = set()
+        self._landing = _Landing(self.chunk_size, config.request_timeout_s, clock)
         self._failures = FailureLog(logger)
         self.heartbeat = Heartbeat.for_adapter(
             list(self.links.values()),
@@ -157,6 +209,8 @@ class SchedulerAdapter:
         ``lookup_max_age_s`` old: that renews the server's lease on the hit chunks
         and refreshes the hit count. Never blocks: see ``connector.lookups.Lookups``.
         """
+        if self._landing.awaited_by(request):
+            return None, False
         lookups = self._lookups
         if lookups.in_flight(request, num_computed_tokens):
             return None, False
@@ -221,6 +275,7 @@ class SchedulerAdapter:
             self._lookups.finished(st)
         self._planner.forget(request_id)
         if request_id in self._storing:
+            self._landing.add(request)
             return True, None
         self._ended.append(request_id)
         return False, None
@@ -232,6 +287,7 @@ class SchedulerAdapter:
         if not ended:
             return
         self._storing.difference_update(ended)
+        self._landing.landed(ended)
         try:
             self._send_end(ended)
         except Exception as exc:  # the server's sessions expire on their own

@@ -87,6 +87,7 @@ class Instance:
         self.worker.save(plan)
         assert self.worker.flush(10.0)  # its lane has sent it
         self.scheduler.request_finished(request)
+        self.scheduler.transfers_finished({request.request_id})  # vLLM's finished_sending
 
     def hit_tokens(self, request_id: str, prompt: list[int]) -> int:
         hits, _ = ask(self.scheduler, FakeRequest(request_id, list(prompt)), 0)
@@ -105,6 +106,7 @@ class Instance:
         done, _ = self.worker.take_transfer_results()
         errors = self.worker.take_load_errors()
         self.scheduler.request_finished(request)
+        self.scheduler.transfers_finished({request.request_id})  # vLLM's finished_sending
         return hits, request_id in done and not errors
 
     def block(self, block_id: int) -> dict[str, torch.Tensor]:

@@ -97,6 +97,7 @@ def test_round_trip_same_bytes(server: str) -> None:
         worker.save(plan)
         assert worker.flush(10.0)  # its lane has sent it
         sched.request_finished(a)
+        sched.transfers_finished({a.request_id})  # vLLM's finished_sending
 
         b_req = FakeRequest("B", list(prompt))
         assert ask(sched, b_req, 16) == (128, True)  # all but the last partial block

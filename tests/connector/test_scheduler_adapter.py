@@ -271,6 +271,48 @@ def test_only_requests_with_stores_delay_their_free(adapters: list[SchedulerAdap
     assert adapter.build_connector_meta(StepOutput()).ended == ()
 
 
+def test_a_prompt_like_one_whose_stores_are_landing_waits_for_them(
+    adapters: list[SchedulerAdapter],
+) -> None:
+    """The same prompt right after A finished would miss A's stores by milliseconds:
+    vLLM is told "not yet" until they have landed (or their call's timeout passed),
+    and then the prompt hits what they stored."""
+    now = [0.0]
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server, clock=lambda: now[0])
+    prompt = _tokens(200)
+    a = FakeRequest("A", list(prompt))
+    assert ask(adapter, a, 0) == (0, False)
+    blocks = list(range(1, 14))
+    adapter.update_state_after_alloc(a, FakeBlocks((blocks,)), 0)
+    plan = adapter.build_connector_meta(
+        StepOutput([NewReq("A", (blocks,), 0)], num_scheduled_tokens={"A": 200})
+    )
+    assert adapter.request_finished(a) == (True, None)  # its store is on its way
+
+    b = FakeRequest("B", list(prompt))
+    other = FakeRequest("C", _tokens(200, 5))  # starts otherwise: never held back
+    assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)
+    assert adapter.get_num_new_matched_tokens(b, 0) == (None, False)
+    assert ask(adapter, other, 0) == (0, False)
+    _store(server, plan.stores)  # the worker's store lands ...
+    adapter.transfers_finished({"A"})  # ... and vLLM frees A
+    assert ask(adapter, b, 0) == (192, True)
+
+    # A report that never comes holds a like prompt back for one call's timeout.
+    d = FakeRequest("D", _tokens(200, 9))
+    assert ask(adapter, d, 0) == (0, False)
+    adapter.update_state_after_alloc(d, FakeBlocks((blocks,)), 0)
+    adapter.build_connector_meta(
+        StepOutput([NewReq("D", (blocks,), 0)], num_scheduled_tokens={"D": 200})
+    )
+    assert adapter.request_finished(d) == (True, None)
+    e = FakeRequest("E", _tokens(200, 9))
+    assert adapter.get_num_new_matched_tokens(e, 0) == (None, False)
+    now[0] += adapter.config.request_timeout_s
+    assert ask(adapter, e, 0) == (0, False)  # D's stores never reached this server
+
+
 def test_last_token_is_never_a_hit(adapters: list[SchedulerAdapter]) -> None:
     server = FakeServer(min_chunk_size=64)
     adapter = make(adapters, server)
@@ -471,7 +513,8 @@ def _computed(adapter: SchedulerAdapter, server: FakeServer, prompt: list[int], 
         StepOutput([NewReq(w.request_id, (blocks,), 0)], num_scheduled_tokens={w.request_id: end})
     )
     _store(server, plan.stores)
-    adapter.request_finished(w)
+    assert adapter.request_finished(w) == (True, None)
+    adapter.transfers_finished({w.request_id})  # the worker's report: its store is done
 
 
 def test_old_lookup_is_looked_up_again(adapters: list[SchedulerAdapter]) -> None:
