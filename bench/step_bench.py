@@ -68,14 +68,13 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.ttft_bench import VOCAB_SIZE, engine_env, engine_kwargs, make_model
+from bench.ttft_bench import VOCAB_SIZE, engine_env, engine_kwargs, make_model, prepare_run
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ("mpcache", "vllm")
@@ -401,22 +400,10 @@ def main() -> None:
     if args.rounds < 5:
         print(f"note: {args.rounds} rounds; figures want at least 5", file=sys.stderr)
 
-    from bench.common import load_line
     from tests.support import server_process
 
-    python = args.e2e_venv / "bin" / "python"
-    if not python.exists():
-        raise SystemExit(f"no e2e venv at {args.e2e_venv}: run scripts/bootstrap_e2e_venv.sh")
-    work = Path(tempfile.mkdtemp(prefix="mpcache-step-"))
+    python, work, shape = prepare_run(args, "mpcache-step-")
     log = work / "engines.log"
-    shape = {"layers": args.layers, "hidden": args.hidden, "dtype": args.dtype}
-    subprocess.run(
-        [str(python), __file__, "make-model", str(work / "model"), json.dumps(shape)],
-        check=True,
-        env=engine_env(),
-        capture_output=True,
-    )
-    print(load_line())
     print(
         f"model: random Llama, {args.layers} layers, hidden {args.hidden}, 4 KV heads of 64, "
         f"{args.dtype}, block {args.block_size}; server --chunk-size {args.chunk_size}; "

@@ -134,6 +134,26 @@ def _engine(spec: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- bench side
 
 
+def prepare_run(args: argparse.Namespace, prefix: str) -> tuple[Path, Path, dict[str, Any]]:
+    """(the e2e venv's python, a fresh work folder holding the random model, the
+    model's shape), once the machine's load is printed (also bench/step_bench.py's)."""
+    from bench.common import load_line
+
+    python: Path = args.e2e_venv / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"no e2e venv at {args.e2e_venv}: run scripts/bootstrap_e2e_venv.sh")
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    shape = {"layers": args.layers, "hidden": args.hidden, "dtype": args.dtype}
+    subprocess.run(
+        [str(python), __file__, "make-model", str(work / "model"), json.dumps(shape)],
+        check=True,
+        env=engine_env(),
+        capture_output=True,
+    )
+    print(load_line())
+    return python, work, shape
+
+
 def _prompts(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
 
@@ -259,22 +279,10 @@ def main() -> None:
         print(f"note: {args.rounds} rounds; figures want at least 5", file=sys.stderr)
 
     sys.path.insert(0, str(ROOT))
-    from bench.common import load_line
     from tests.support import server_process
 
-    python = args.e2e_venv / "bin" / "python"
-    if not python.exists():
-        raise SystemExit(f"no e2e venv at {args.e2e_venv}: run scripts/bootstrap_e2e_venv.sh")
-    work = Path(tempfile.mkdtemp(prefix="mpcache-ttft-"))
+    python, work, shape = prepare_run(args, "mpcache-ttft-")
     log = work / "engines.log"
-    shape = {"layers": args.layers, "hidden": args.hidden, "dtype": args.dtype}
-    subprocess.run(
-        [str(python), __file__, "make-model", str(work / "model"), json.dumps(shape)],
-        check=True,
-        env=engine_env(),
-        capture_output=True,
-    )
-    print(load_line())
     print(
         f"model: random Llama, {args.layers} layers, hidden {args.hidden}, 4 KV heads of 64, "
         f"{args.dtype}, block {args.block_size}; server --chunk-size {args.chunk_size}"
