@@ -32,6 +32,7 @@ from contract.schemas import (
     LookupFrameItem,
     LookupResponse,
 )
+from contract.wire_text import wire_salt, wire_text
 
 __all__ = ["CallFailed", "LookupSender", "Lookups"]
 
@@ -177,7 +178,7 @@ class Lookups:
         hit = self._sender.index.answer(
             lambda: st.encoder.packed(request.all_token_ids, lookup_end),
             lookup_end,
-            getattr(request, "cache_salt", None),
+            wire_salt(getattr(request, "cache_salt", None)),
         )
         if hit is None:
             return None
@@ -197,7 +198,7 @@ class Lookups:
             request = st.request
             st.lookup = PendingLookup(
                 request_id=request.request_id,
-                cache_salt=getattr(request, "cache_salt", None),
+                cache_salt=wire_salt(getattr(request, "cache_salt", None)),
                 tokens=request.all_token_ids,
                 encoder=st.encoder,
                 end=lookup_end,
@@ -338,7 +339,7 @@ class LookupSender:
                 p.answer(hit)
         finished = [p.request_id for p in batch if p.finished]
         if finished:  # finished while in flight: the lookup may have reopened a session
-            body = EndSessionsRequest(request_ids=finished)
+            body = EndSessionsRequest(request_ids=[wire_text(r) for r in finished])
             for url, client in self._clients.items():
                 try:
                     client.end_sessions(body)
@@ -405,7 +406,7 @@ class LookupSender:
         header = LookupFrameHeader(
             requests=[
                 LookupFrameItem(
-                    request_id=p.request_id,
+                    request_id=wire_text(p.request_id),
                     namespace=self._namespace,
                     cache_salt=p.cache_salt,
                     world_size=self._ranks[url],

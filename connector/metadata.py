@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from contract.schemas import NULL_BLOCK_ID, TransferItem
+from contract.wire_text import wire_text
 
 __all__ = ["StepPlan", "TransferOp"]
 
@@ -38,7 +39,7 @@ class TransferOp:
 
     def to_item(self, namespace: str) -> TransferItem:
         return TransferItem(
-            request_id=self.request_id,
+            request_id=wire_text(self.request_id),
             namespace=namespace,
             cache_salt=self.cache_salt,
             tokens_b64=self.tokens_b64,

@@ -15,6 +15,7 @@ from connector.failures import FailureLog
 from connector.metadata import TransferOp
 from connector.request_state import RequestState, RequestTable
 from contract.schemas import NULL_BLOCK_ID
+from contract.wire_text import wire_salt
 
 __all__ = ["StepPlanner"]
 
@@ -188,7 +189,7 @@ class StepPlanner:
             end_token=load_end,
             tokens_b64=st.encoder.encode(st.request.all_token_ids, load_end),
             block_ids=block_ids,
-            cache_salt=getattr(st.request, "cache_salt", None),
+            cache_salt=wire_salt(getattr(st.request, "cache_salt", None)),
             unit_tokens=self._unit_tokens,
         )
 
@@ -212,7 +213,7 @@ class StepPlanner:
             end_token=end,
             tokens_b64=st.encoder.encode(tokens, end),
             block_ids=self._blocks_upto(st, end),
-            cache_salt=getattr(st.request, "cache_salt", None),
+            cache_salt=wire_salt(getattr(st.request, "cache_salt", None)),
             unit_tokens=self._unit_tokens,
         )
         st.stored_upto = end

@@ -38,6 +38,7 @@ from connector.servers import (
     renegotiate,
 )
 from contract.schemas import EndSessionsRequest, NegotiateRequest
+from contract.wire_text import wire_text
 
 __all__ = ["SchedulerAdapter"]
 
@@ -294,7 +295,7 @@ class SchedulerAdapter:
             self._failures("end", "mpcache: ending sessions failed", exc=exc)
 
     def _send_end(self, request_ids: Sequence[str]) -> None:
-        body = EndSessionsRequest(request_ids=list(request_ids))
+        body = EndSessionsRequest(request_ids=[wire_text(r) for r in request_ids])
 
         async def job(clients: Mapping[str, AsyncControlClient]) -> None:
             for client in clients.values():
@@ -305,7 +306,7 @@ class SchedulerAdapter:
     def shutdown(self) -> None:
         """End outstanding sessions (bounded), stop the heartbeat, close clients."""
         if self._ended:
-            body = EndSessionsRequest(request_ids=list(self._ended))
+            body = EndSessionsRequest(request_ids=[wire_text(r) for r in self._ended])
             self._ended.clear()
             for link in self.links.values():
                 if link.healthy:

@@ -49,6 +49,7 @@ from connector.servers import (
 )
 from connector.shm import MemfdKVSegment
 from contract.schemas import NegotiateRequest, RegisterRequest, RetrieveRequest, StoreRequest
+from contract.wire_text import wire_text
 
 __all__ = [
     "MAX_QUEUED_LOADS",
@@ -350,7 +351,7 @@ class WorkerAdapter:
             return
         results = {r.request_id: r for r in reply.results}
         for op in loads:
-            result = results.get(op.request_id)
+            result = results.get(wire_text(op.request_id))
             if result is None:
                 self._fail_load(out, op, op.touched_block_ids(self._spans))
                 continue

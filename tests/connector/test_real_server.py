@@ -332,3 +332,47 @@ def test_after_a_failed_lookup_through_the_area_the_next_batch_uses_a_new_one(
         assert registered == 2, caplog.text
     finally:
         sched.shutdown()
+
+
+@pytest.mark.parametrize("key_index", [False, True], ids=["server-lookup", "key-index"])
+def test_ids_and_salts_past_256_characters_store_hit_and_stay_apart(
+    server: str, key_index: bool
+) -> None:
+    """vLLM passes its users' request ids and cache salts unchanged: longer ones than a
+    server field takes still store and hit, and two salts equal in their first 256
+    characters still isolate their requests."""
+    sched, worker = _pair(server, f"long-{key_index}", key_index=key_index)
+    salt = "s" * 300
+    try:
+        worker.register_kv_caches(
+            {name: torch.zeros(NUM_BLOCKS, 2, BS, 2, 8) for name in ("l0", "l1")}
+        )
+        prompt = [(i * 41 + int(key_index)) % 997 for i in range(150)]
+        a = FakeRequest("a" * 400, list(prompt), cache_salt=salt)
+        assert ask(sched, a, 0) == (0, False)
+        blocks_a = list(range(1, 11))
+        sched.update_state_after_alloc(a, FakeBlocks((blocks_a,)), 0)
+        plan = sched.build_connector_meta(
+            StepOutput(
+                [NewReq(a.request_id, (blocks_a,), 0)], num_scheduled_tokens={a.request_id: 150}
+            )
+        )
+        worker.save(plan)
+        assert worker.flush(10.0)
+        sched.request_finished(a)
+        sched.transfers_finished({a.request_id})
+
+        other_salt = FakeRequest("c" * 300, list(prompt), cache_salt=salt + "-other")
+        assert ask(sched, other_salt, 0) == (0, False)
+        b = FakeRequest("b" * 300, list(prompt), cache_salt=salt)
+        assert ask(sched, b, 0) == (144, True)
+        blocks_b = list(range(20, 30))
+        sched.update_state_after_alloc(b, FakeBlocks((blocks_b,)), 144)
+        plan = sched.build_connector_meta(StepOutput())
+        worker.start_load(plan)
+        assert worker.flush(10.0)
+        assert worker.take_transfer_results() == ({b.request_id}, set())
+        assert worker.take_load_errors() == set()
+    finally:
+        worker.shutdown()
+        sched.shutdown()
