@@ -31,13 +31,30 @@ from app.resp import encode
 from dataplane.pool import Entry, Pool
 from dataplane.registry import Registration
 
-__all__ = ["PIPELINE_BYTES", "Promoter", "Want"]
+__all__ = ["PIPELINE_BYTES", "Owner", "Promoter", "Want"]
 
 logger = logging.getLogger(__name__)
 
 PIPELINE_BYTES = 64 << 20
 """Values outstanding on one connection at most (at least 2 ``GET``s, at most 64):
 what Redis buffers for this reader, and what it may read and drop on a fault."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Whose chunks are read: what a registration names of them."""
+
+    namespace: str
+    world_size: int
+    rank: int
+    layout: bytes
+    """The layout signature."""
+    chunk_bytes: int
+
+    @classmethod
+    def of(cls, reg: Registration) -> Owner:
+        sig, size = reg.layout.signature, reg.chunk_bytes
+        return cls(reg.namespace, reg.world_size, reg.rank, sig, size)
 
 
 @dataclass(frozen=True)
@@ -56,13 +73,13 @@ def _depth(chunk_bytes: int) -> int:
 class _Chunk:
     """What one value must be: checks and the pool entry it lands in."""
 
-    def __init__(self, promoter: Promoter, reg: Registration, want: Want, key: bytes) -> None:
+    def __init__(self, promoter: Promoter, owner: Owner, want: Want, key: bytes) -> None:
         self.pool = promoter.pool
         self.l2 = promoter.l2
-        self.reg = reg
+        self.reg = owner
         self.want = want
         self.key = key
-        self.layout = reg.layout.signature
+        self.layout = owner.layout
 
     def head(self, raw: bytes | bytearray, total: int) -> Head:
         """The checked fixed header of a ``total``-byte value that starts with ``raw``."""
@@ -107,7 +124,7 @@ class Promoter:
 
     def promote(
         self,
-        reg: Registration,
+        reg: Owner,
         chunk_size: int,
         wants: Sequence[Want],
         passed: Callable[[], bool],
@@ -117,7 +134,7 @@ class Promoter:
         l2 = self.l2
         if not wants or not l2.up:
             return [None] * len(wants)
-        layout = reg.layout.signature
+        layout = reg.layout
         chunks = [
             _Chunk(
                 self,

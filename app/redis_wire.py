@@ -30,7 +30,6 @@ from app.resp import MAX_LINE_BYTES, Header, ProtocolError, ReplyError, encode, 
 __all__ = ["Wire", "WireParams", "Wires", "wire_params"]
 
 _KNOWN = {"username", "password", "host", "port", "db", "path", "connection_class"}
-_RECV_BYTES = 64 << 10
 IDLE_WIRES = 4
 """Connections kept open between reads (more may be open while reads overlap)."""
 
@@ -80,7 +79,7 @@ class Wire:
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        self._buf = bytearray(_RECV_BYTES)
+        self._buf = bytearray(MAX_LINE_BYTES)
         self._start = self._end = 0  # unread bytes: self._buf[self._start:self._end]
         self.closed = False
         self.generation = 0
@@ -146,7 +145,9 @@ class Wire:
         if self._start == self._end:
             self._start = self._end = 0
         elif self._end == len(self._buf):
-            # Move the unread tail to the front (a line never fills the buffer twice).
+            if self._start == 0:
+                self._fail(ProtocolError(f"a reply line over {MAX_LINE_BYTES} bytes"))
+            # Move the unread tail to the front.
             tail = self._buf[self._start : self._end]
             self._buf[: len(tail)] = tail
             self._start, self._end = 0, len(tail)
@@ -165,8 +166,6 @@ class Wire:
                 line = bytes(self._buf[self._start : at])
                 self._start = at + 2
                 return line
-            if self._end - self._start > MAX_LINE_BYTES:
-                self._fail(ProtocolError("a reply line over the bound"))
             self._fill()
 
     def header(self) -> Header:

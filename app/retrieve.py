@@ -12,7 +12,7 @@ import numpy as np
 from app.hashing import TokenHasher
 from app.kv_events import BlockNote, StoredItem
 from app.l2 import L2Tier
-from app.l2_reads import Promoter, Want
+from app.l2_reads import Owner, Promoter, Want
 from app.telemetry import Telemetry
 from app.transfers import CheckedItem, TransferCall, Transfers
 from contract.chunk_keys import model_of
@@ -163,7 +163,9 @@ class Retrieve:
             )
             for n in missing
         ]
-        promoted = self._promoter.promote(reg, call.chunk_size, wants, call.deadline.passed)
+        promoted = self._promoter.promote(
+            Owner.of(reg), call.chunk_size, wants, call.deadline.passed
+        )
         for n, entry in zip(missing, promoted, strict=True):
             found[n] = entry
 
