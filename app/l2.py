@@ -3,11 +3,11 @@
 Write-behind: a chunk committed to L1 is queued (``enqueue``, never blocking the
 store) and one writer thread copies it out of the pool and ``SET``s it. Reads: a
 lookup counts the chunks that L1 lacks and L2 holds (``count_leading``, one
-pipelined round trip, ``app.lookup``); a retrieve that misses L1 fetches the chunk
-(``fetch``), checks it (``decode_value``) and promotes it into L1 (``app.retrieve``).
-Eviction is Redis's own: run it with a ``maxmemory`` and ``maxmemory-policy
-allkeys-lru``. Keys: ``l2_key``; values: ``encode_header`` and ``decode_value``;
-faults: ``L2Tier``.
+pipelined round trip within a ``KeyBudget``, ``app.lookup``); a retrieve fetches
+the chunks L1 lacks in one pipeline, checks them and promotes them into L1
+(``app.l2_reads``, ``app.retrieve``). Eviction is Redis's own: run it with a
+``maxmemory`` and ``maxmemory-policy allkeys-lru``. Keys: ``l2_key``; values:
+``app.l2_values``; faults: ``L2Tier``.
 """
 
 from __future__ import annotations
