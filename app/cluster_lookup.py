@@ -22,7 +22,7 @@ from app.chunk_size import ChunkSizeAuthority
 from app.coordinator import Coordinator, MemberRecord
 from app.hashing import TokenHasher
 from app.kv_events import BlockLedger, Change
-from app.l2 import L2Tier
+from app.l2 import KeyBudget, L2Tier
 from app.redis_io import RedisUnavailable, translated
 from contract.chunk_keys import block_hashes, model_of, namespace_model
 from contract.schemas import ClusterLookupRequest, ClusterLookupResponse, ClusterLookupServer
@@ -215,16 +215,12 @@ class ClusterLookups:
         model = namespace_model(req.model)
         size = self._chunk_size.final().chunk_size
         best = 0
+        budget = KeyBudget()  # over every namespace: the call's cost has one bound
         for namespace, ws, layout in self._registry.namespaces():
             if model_of(namespace) != model:
                 continue
             keys = self._hasher.prefix_keys(namespace, req.cache_salt, tokens, chunk_size=size)
-            best = max(
-                best,
-                l2.count_leading(
-                    [[l2.key(namespace, size, layout, ws, r, k) for r in range(ws)] for k in keys]
-                ),
-            )
+            best = max(best, l2.count_leading(namespace, size, layout, ws, keys, budget))
         return best
 
 

@@ -3,11 +3,11 @@
 Write-behind: a chunk committed to L1 is queued (``enqueue``, never blocking the
 store) and one writer thread copies it out of the pool and ``SET``s it. Reads: a
 lookup counts the chunks that L1 lacks and L2 holds (``count_leading``, one
-pipelined round trip, ``app.lookup``); a retrieve that misses L1 fetches the chunk
-(``fetch``), checks it (``decode_value``) and promotes it into L1 (``app.retrieve``).
-Eviction is Redis's own: run it with a ``maxmemory`` and ``maxmemory-policy
-allkeys-lru``. Keys: ``l2_key``; values: ``encode_header`` and ``decode_value``;
-faults: ``L2Tier``.
+pipelined round trip within a ``KeyBudget``, ``app.lookup``); a retrieve fetches
+the chunks L1 lacks in one pipeline, checks them and promotes them into L1
+(``app.l2_reads``, ``app.retrieve``). Eviction is Redis's own: run it with a
+``maxmemory`` and ``maxmemory-policy allkeys-lru``. Keys: ``l2_key``; values:
+``app.l2_values``; faults: ``L2Tier``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import hashlib
 import logging
 import queue
 import secrets
-import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,15 +23,18 @@ from typing import Literal
 
 import numpy as np
 import redis
-import xxhash
 
+from app.l2_values import FORMAT_VERSION, CorruptValue, decode_value, encode_header, seal
 from app.redis_io import RedisUnavailable, redacted, translated
+from app.redis_wire import Wires
 from app.telemetry import Telemetry
 from dataplane.pool import Pool
 
 __all__ = [
     "FORMAT_VERSION",
+    "MAX_LOOKUP_KEYS",
     "CorruptValue",
+    "KeyBudget",
     "L2State",
     "L2Tier",
     "WriteJob",
@@ -43,19 +45,14 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-MAGIC = b"MPL2"
-# magic, version, present-mask length, rank, payload length, checksum, chunk key, layout
-_HEADER = struct.Struct("<4sHHIQQ16s16s")
 PROBE_INTERVAL_S = 1.0
-MAX_LOOKUP_CHUNKS = 4096
-"""At most this many chunks of one lookup item are asked of L2 (one round trip)."""
+MAX_LOOKUP_KEYS = 16384
+"""At most this many L2 keys (chunks x world size) one lookup call builds and asks
+(``KeyBudget``): a 64k-token prompt in 256-token chunks, for up to 64 ranks a server.
+Past it, a lookup counts fewer L2 chunks than L2 may hold (a miss, never a fault),
+so its cost does not grow with the ``world_size`` a client registers."""
 
 L2State = Literal["up", "down"]
-
-
-class CorruptValue(ValueError):
-    """An L2 value that is not a valid chunk for the key it was read under."""
 
 
 def _short_hash(data: bytes) -> str:
@@ -89,64 +86,6 @@ def l2_key(
     ).encode()
 
 
-def _present_bytes(present: int) -> bytes:
-    return present.to_bytes(max(1, (present.bit_length() + 7) // 8), "little")
-
-
-def encode_header(chunk_key: bytes, rank: int, layout: bytes, present: int) -> bytes:
-    """The header of a value whose checksum and payload length are filled in later.
-
-    Values are versioned, sized and checksummed; a value that fails any check of
-    ``decode_value`` is deleted and counted ``corrupt``, never served."""
-    mask = _present_bytes(present)
-    return _HEADER.pack(MAGIC, FORMAT_VERSION, len(mask), rank, 0, 0, chunk_key, layout) + mask
-
-
-def seal(buf: bytearray, header_len: int) -> None:
-    """Write the payload length and checksum into a value built on ``encode_header``."""
-    payload_len = len(buf) - header_len
-    struct.pack_into("<Q", buf, 12, payload_len)
-    struct.pack_into("<Q", buf, 20, _checksum(buf))
-
-
-def _checksum(buf: bytes | bytearray | memoryview) -> int:
-    view = memoryview(buf)
-    h = xxhash.xxh3_64()
-    h.update(view[:20])  # everything but the checksum field itself
-    h.update(view[28:])
-    return h.intdigest()
-
-
-@dataclass(frozen=True)
-class Decoded:
-    present: int
-    payload: memoryview
-
-
-def decode_value(
-    raw: bytes, *, chunk_key: bytes, rank: int, layout: bytes, max_bytes: int
-) -> Decoded:
-    """Check a value read under the key of (``chunk_key``, ``rank``, ``layout``)."""
-    if len(raw) > max_bytes + _HEADER.size + 64:
-        raise CorruptValue(f"{len(raw)} bytes: over the {max_bytes}-byte bound")
-    if len(raw) < _HEADER.size:
-        raise CorruptValue(f"{len(raw)} bytes: shorter than the header")
-    magic, version, mask_len, v_rank, payload_len, checksum, v_key, v_layout = _HEADER.unpack_from(
-        raw
-    )
-    if magic != MAGIC or version != FORMAT_VERSION:
-        raise CorruptValue(f"format {magic!r} v{version}, expected {MAGIC!r} v{FORMAT_VERSION}")
-    header_len = _HEADER.size + mask_len
-    if payload_len != len(raw) - header_len or mask_len > 64:
-        raise CorruptValue(f"length {len(raw)} does not match its header")
-    if v_key != chunk_key or v_rank != rank or v_layout != layout:
-        raise CorruptValue("the value belongs to another chunk, rank or layout")
-    if checksum != _checksum(raw):
-        raise CorruptValue("checksum mismatch")
-    present = int.from_bytes(raw[_HEADER.size : header_len], "little")
-    return Decoded(present, memoryview(raw)[header_len:])
-
-
 @dataclass(frozen=True)
 class WriteJob:
     """One committed L1 entry to copy to L2."""
@@ -160,9 +99,24 @@ class WriteJob:
     nbytes: int
 
 
+class KeyBudget:
+    """The L2 keys one lookup call may still build and ask (``MAX_LOOKUP_KEYS``)."""
+
+    def __init__(self, keys: int = MAX_LOOKUP_KEYS) -> None:
+        self.left = keys
+
+    def take(self, chunks: int, world_size: int) -> int:
+        """How many of ``chunks`` (each a key per rank) may be asked; they are spent."""
+        asked = max(0, min(chunks, self.left // world_size))
+        self.left -= asked * world_size
+        return asked
+
+
 class L2Tier:
     """Write-behind and reads of one deployment's L2 (see the module docstring).
 
+    Reads of values go over ``wires`` (``app.redis_wire``: replies read straight into
+    the pool, ``app.l2_reads``) where the URL allows, else through redis-py.
     A full queue or an unreachable Redis drops a write, counted in
     ``mpcache_l2_writes_total``. Faults: any Redis error marks the tier ``down``
     (``mpcache_l2_up`` 0, ``/health``); while down, lookups and retrieves are L1-only
@@ -180,8 +134,10 @@ class L2Tier:
         telemetry: Telemetry,
         queue_chunks: int,
         max_value_bytes: int,
+        wires: Wires | None = None,
     ) -> None:
         self._client = client
+        self.wires = wires
         self.url = redacted(url)
         self.deployment = deployment
         self._pool = pool
@@ -222,7 +178,14 @@ class L2Tier:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self.wires is not None:
+            self.wires.close()
         self._client.close()
+
+    @property
+    def client(self) -> redis.Redis:
+        """redis-py's client (for the reads ``wires`` cannot make)."""
+        return self._client
 
     @property
     def seed(self) -> int:
@@ -314,7 +277,7 @@ class L2Tier:
                 self._write(job)
             except RedisUnavailable as exc:
                 self._telemetry.l2_writes.labels("unavailable").inc()
-                self._down(exc)
+                self.fault(exc)
             except Exception:
                 self._telemetry.l2_writes.labels("error").inc()
                 logger.exception("L2 write failed")
@@ -342,47 +305,43 @@ class L2Tier:
 
     # ------------------------------------------------------------------ reads
 
-    def count_leading(self, chunks: Sequence[Sequence[bytes]]) -> int:
-        """How many leading ``chunks`` (each: its keys, one per rank) L2 holds in full.
-
-        0 when L2 is down or fails (it is then marked down).
-        """
-        if not self.up or not chunks:
+    def count_leading(
+        self,
+        namespace: str,
+        chunk_size: int,
+        layout: bytes,
+        world_size: int,
+        chunk_keys: Sequence[bytes],
+        budget: KeyBudget,
+    ) -> int:
+        """How many leading ``chunk_keys`` L2 holds for every rank in
+        ``range(world_size)``, asking no more keys than ``budget`` allows (one pipelined
+        round trip). 0 when L2 is down or fails (it is then marked down)."""
+        if not self.up or not chunk_keys:
             return 0
-        chunks = chunks[:MAX_LOOKUP_CHUNKS]
+        asked = chunk_keys[: budget.take(len(chunk_keys), world_size)]
+        if not asked:
+            return 0
         try:
             with translated(f"L2 {self.url}"):
                 pipe = self._client.pipeline(transaction=False)
-                for keys in chunks:
-                    pipe.exists(*keys)
+                for chunk_key in asked:
+                    pipe.exists(
+                        *(
+                            self.key(namespace, chunk_size, layout, world_size, rank, chunk_key)
+                            for rank in range(world_size)
+                        )
+                    )
                 counts = pipe.execute()
         except RedisUnavailable as exc:
-            self._down(exc)
+            self.fault(exc)
             return 0
         hits = 0
-        for keys, count in zip(chunks, counts, strict=True):
-            if int(count) != len(keys):
+        for count in counts:
+            if int(count) != world_size:
                 break
             hits += 1
         return hits
-
-    def fetch(self, key: bytes) -> bytes | None:
-        """The raw value under ``key``; None if absent, or L2 is down or fails."""
-        if not self.up:
-            return None
-        try:
-            with translated(f"L2 {self.url}"):
-                raw = self._client.get(key)
-        except RedisUnavailable as exc:
-            self._telemetry.l2_reads.labels("unavailable").inc()
-            self._down(exc)
-            return None
-        if raw is None:
-            self._telemetry.l2_reads.labels("miss").inc()
-            return None
-        self._telemetry.l2_bytes.labels("read").inc(len(raw))
-        assert isinstance(raw, bytes)
-        return raw
 
     def discard(self, key: bytes, reason: str) -> None:
         """Delete a value that failed its checks (counted ``corrupt``)."""
@@ -392,14 +351,22 @@ class L2Tier:
             with translated(f"L2 {self.url}"):
                 self._client.delete(key)
         except RedisUnavailable as exc:
-            self._down(exc)
+            self.fault(exc)
 
-    def served(self) -> None:
+    def served(self, nbytes: int) -> None:
+        """A value read (``nbytes`` on the wire) was checked and promoted."""
         self._telemetry.l2_reads.labels("hit").inc()
+        self._telemetry.l2_bytes.labels("read").inc(nbytes)
+
+    def missed(self, outcome: Literal["miss", "unavailable"] = "miss") -> None:
+        self._telemetry.l2_reads.labels(outcome).inc()
 
     # ------------------------------------------------------------------ state
 
-    def _down(self, exc: Exception) -> None:
+    def fault(self, exc: Exception) -> None:
+        """Redis failed a call: mark the tier down (the writer probes until it answers)."""
+        if self.wires is not None:
+            self.wires.reset()
         self._set_state("down", str(exc))
 
     def _set_state(self, state: L2State, detail: str | None) -> None:

@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from app.bodies import INLINE_BODY_BYTES, decode_json, is_json, read_json, span_tokens
 from app.chunk_size import ChunkSizeAuthority
 from app.hashing import TokenHasher
-from app.l2 import L2Tier
+from app.l2 import KeyBudget, L2Tier
 from app.lookup_areas import LookupAreas
 from app.sessions import SessionManager
 from app.telemetry import Telemetry
@@ -88,6 +88,7 @@ class LookupBatch:
         self._results: list[LookupResult] = []
         self._hits = self._misses = 0
         self._l2_hits = 0
+        self._l2_budget = KeyBudget()  # the L2 keys this call may still ask
         # (result index, target, L1 hits, keys past them) of items L2 may extend
         self._l2_candidates: list[tuple[int, LookupTarget, int, list[bytes]]] = []
         self._started = time.perf_counter()
@@ -192,7 +193,8 @@ class LookupBatch:
                 self._l2_hits += extra
 
     def _l2_leading(self, item: LookupTarget, keys: Sequence[bytes]) -> int:
-        """How many of ``keys`` L2 holds for every rank, in order (blocking I/O)."""
+        """How many of ``keys`` L2 holds for every rank, in order (blocking I/O); the
+        call asks at most ``app.l2.MAX_LOOKUP_KEYS`` keys over all its items."""
         l2 = self._context.l2
         if l2 is None:
             return 0
@@ -201,9 +203,8 @@ class LookupBatch:
         layout = self._context.registry.layout_for(item.namespace, item.world_size)
         if layout is None:
             return 0
-        ws, ns, size = item.world_size, item.namespace, self._size
         return l2.count_leading(
-            [[l2.key(ns, size, layout, ws, rank, key) for rank in range(ws)] for key in keys]
+            item.namespace, self._size, layout, item.world_size, keys, self._l2_budget
         )
 
     def finish(self) -> LookupResponse:

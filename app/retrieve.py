@@ -11,7 +11,8 @@ import numpy as np
 
 from app.hashing import TokenHasher
 from app.kv_events import BlockNote, StoredItem
-from app.l2 import CorruptValue, L2Tier, decode_value
+from app.l2 import L2Tier
+from app.l2_reads import Owner, Promoter, Want
 from app.telemetry import Telemetry
 from app.transfers import CheckedItem, TransferCall, Transfers
 from contract.chunk_keys import model_of
@@ -19,7 +20,6 @@ from contract.schemas import RetrieveRequest, RetrieveResponse, RetrieveResult
 from dataplane.device_path import CopyWindow
 from dataplane.layout import slot_mask
 from dataplane.pool import Entry, Pool
-from dataplane.registry import Registration
 from dataplane.transfer import CopyPool, scatter_chunk
 
 __all__ = ["Retrieve"]
@@ -71,7 +71,7 @@ class Retrieve:
         self._copier = copier
         self._telemetry = telemetry
         self._seconds = telemetry.op_seconds.labels("retrieve")
-        self._l2 = l2
+        self._promoter = None if l2 is None else Promoter(l2, pool)
 
     def run(
         self, req: RetrieveRequest, *, received_at: float | None = None, token: str | None = None
@@ -116,26 +116,58 @@ class Retrieve:
         self, call: TransferCall, it: CheckedItem, keys: Sequence[bytes], parts: list[_Part]
     ) -> _Pinned:
         """Pin the leading parts that can be served (whole chunks from L1, else promoted
-        from L2; a chunk's first units from any L1 entry answering their unit key);
-        stop at the first that cannot."""
+        from L2, all of the item's at once; a chunk's first units from any L1 entry
+        answering their unit key); stop at the first that cannot."""
         reg = call.reg
         layout = reg.layout.signature
-        pinned: _Pinned = []
+        found: list[Entry | None] = []
         for part in parts:
-            needed = slot_mask(part.ids)
-            entry: Entry | None
             if part.units:
-                unit_key = self._unit_key(call, it, keys, part)
-                entry = self._pool.pin_unit(unit_key, reg.rank, layout, needed)
-            else:
-                entry = self._pool.pin(keys[part.chunk], reg.rank, layout, needed)
-                if entry is None and not call.deadline.passed():
-                    note = BlockNote(self._told(call, it, keys), part.chunk, reg.world_size)
-                    entry = self._promote(reg, call.chunk_size, keys[part.chunk], needed, note)
+                break  # the units load only after every whole chunk before them
+            found.append(self._pool.pin(keys[part.chunk], reg.rank, layout, slot_mask(part.ids)))
+        self._promote(call, it, keys, parts, found)
+        pinned: _Pinned = []
+        for part, entry in zip(parts, found, strict=False):
             if entry is None:
                 break
             pinned.append((part, entry))
+        if len(pinned) == len(found) < len(parts):  # a tail's units, after every chunk
+            part = parts[len(found)]
+            unit_key = self._unit_key(call, it, keys, part)
+            entry = self._pool.pin_unit(unit_key, reg.rank, layout, slot_mask(part.ids))
+            if entry is not None:
+                pinned.append((part, entry))
+        for entry in found[len(pinned) :]:
+            if entry is not None:
+                self._pool.unpin(entry)  # past a chunk that cannot be served
         return pinned
+
+    def _promote(
+        self,
+        call: TransferCall,
+        it: CheckedItem,
+        keys: Sequence[bytes],
+        parts: list[_Part],
+        found: list[Entry | None],
+    ) -> None:
+        """Fill ``found``'s gaps (chunks L1 lacks) from L2, in one pipeline."""
+        missing = [n for n, entry in enumerate(found) if entry is None]
+        if self._promoter is None or not missing or call.deadline.passed():
+            return
+        reg, told = call.reg, self._told(call, it, keys)
+        wants = [
+            Want(
+                keys[parts[n].chunk],
+                slot_mask(parts[n].ids),
+                BlockNote(told, parts[n].chunk, reg.world_size),
+            )
+            for n in missing
+        ]
+        promoted = self._promoter.promote(
+            Owner.of(reg), call.chunk_size, wants, call.deadline.passed
+        )
+        for n, entry in zip(missing, promoted, strict=True):
+            found[n] = entry
 
     @staticmethod
     def _told(call: TransferCall, it: CheckedItem, keys: Sequence[bytes]) -> StoredItem:
@@ -188,43 +220,6 @@ class Retrieve:
         self._telemetry.copied_bytes.labels("retrieve").inc(copied)
         self._telemetry.chunks_loaded.inc(loaded)
         return loaded, cut
-
-    def _promote(
-        self, reg: Registration, chunk_size: int, chunk_key: bytes, needed: int, note: BlockNote
-    ) -> Entry | None:
-        """Fetch a chunk L1 lacks from L2, check it, commit it to L1; return it pinned."""
-        l2 = self._l2
-        if l2 is None or not l2.up:
-            return None
-        layout = reg.layout.signature
-        key = l2.key(reg.namespace, chunk_size, layout, reg.world_size, reg.rank, chunk_key)
-        raw = l2.fetch(key)
-        if raw is None:
-            return None
-        try:
-            value = decode_value(
-                raw, chunk_key=chunk_key, rank=reg.rank, layout=layout, max_bytes=l2.max_value_bytes
-            )
-            expected = reg.chunk_bytes if value.present else 1
-            if len(value.payload) != expected:
-                raise CorruptValue(f"{len(value.payload)} payload bytes, expected {expected}")
-        except CorruptValue as exc:
-            l2.discard(key, str(exc))
-            return None
-        if needed & ~value.present:
-            return None  # L2's copy lacks a block the caller needs: a miss
-        entry = self._pool.begin_store(
-            chunk_key, reg.rank, nbytes=expected, layout=layout, present=value.present, note=note
-        )
-        if isinstance(entry, Entry):
-            try:
-                self._pool.view(entry).numpy()[:] = np.frombuffer(value.payload, dtype=np.uint8)
-            except BaseException:
-                self._pool.abort(entry)
-                raise
-            self._pool.commit(entry)
-            l2.served()
-        return self._pool.pin(chunk_key, reg.rank, layout, needed)
 
 
 def _blocks_of(parts: Iterable[list[np.ndarray]]) -> list[int]:

@@ -35,6 +35,7 @@ from app.l2 import L2Tier
 from app.lookup_areas import LookupAreas
 from app.negotiation import NegotiationPolicy
 from app.redis_io import RedisUnavailable, connect, ping, redacted
+from app.redis_wire import Wires, wire_params
 from app.service import CacheService
 from app.sessions import SessionManager
 from app.settings import Settings
@@ -353,6 +354,12 @@ def _l2(settings: Settings, boot_id: str, pool: Pool, telemetry: Telemetry) -> L
         timeout_s=settings.redis_timeout_s,
         name=f"mpcache-l2-{boot_id[:8]}",
     )
+    params = wire_params(
+        url,
+        password=settings.redis_password,
+        timeout_s=settings.redis_timeout_s,
+        name=f"mpcache-l2-reads-{boot_id[:8]}",
+    )
     l2 = L2Tier(
         client,
         url=url,
@@ -361,6 +368,7 @@ def _l2(settings: Settings, boot_id: str, pool: Pool, telemetry: Telemetry) -> L
         telemetry=telemetry,
         queue_chunks=settings.l2_queue_chunks,
         max_value_bytes=int(settings.l2_max_value_size),
+        wires=None if params is None else Wires(params),
     )
     try:
         l2.connect()

@@ -109,7 +109,9 @@ def test_stored_on_a_served_by_b_bytes_identical(
                 assert value is not None
                 client.set(key, value[:-1] + bytes([value[-1] ^ 0xFF]))
             assert b.load("req-b3", other, list(range(1, 11))) == (128, False)
-            assert _metric(b_url, 'mpcache_l2_reads_total{outcome="corrupt"}') == 1
+            # Both chunks were fetched in one pipeline: both refused, none served.
+            assert _metric(b_url, 'mpcache_l2_reads_total{outcome="corrupt"}') == 2
+            assert _metric(b_url, 'mpcache_l2_reads_total{outcome="hit"}') == 2  # as before
             assert b.hit_tokens("req-b4", other) == 0  # the refused value is gone
         finally:
             client.close()
