@@ -9,6 +9,7 @@ from functools import partial
 
 import numpy as np
 
+from app.disk_tier import DiskTier
 from app.hashing import TokenHasher
 from app.kv_events import BlockNote, StoredItem
 from app.l2 import CorruptValue, L2Tier, decode_value
@@ -48,8 +49,8 @@ class Retrieve:
     units past the last whole chunk load from any entry answering their unit key
     (``dataplane.pool``), all or nothing. ``loaded_tokens`` counts what loaded; every
     non-null block of what did not, to ``end_token``'s last whole unit, is listed in
-    ``failed_block_ids``. A chunk L1 lacks is fetched from the L2 tier (if
-    any), checked, and promoted into L1 before it is served. The deadline
+    ``failed_block_ids``. A chunk L1 lacks is read from the disk tier, else fetched
+    from the L2 tier (if any), checked, and promoted into L1 before it is served. The deadline
     (``app.transfers``) is checked before writing each chunk: once it has passed no
     more is written (the client may reuse its blocks), and the rest is reported
     failed.
@@ -64,6 +65,7 @@ class Retrieve:
         hasher: TokenHasher,
         telemetry: Telemetry,
         l2: L2Tier | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
         self._transfers = transfers
         self._hasher = hasher
@@ -72,6 +74,7 @@ class Retrieve:
         self._telemetry = telemetry
         self._seconds = telemetry.op_seconds.labels("retrieve")
         self._l2 = l2
+        self._disk = disk
 
     def run(
         self, req: RetrieveRequest, *, received_at: float | None = None, token: str | None = None
@@ -192,7 +195,20 @@ class Retrieve:
     def _promote(
         self, reg: Registration, chunk_size: int, chunk_key: bytes, needed: int, note: BlockNote
     ) -> Entry | None:
-        """Fetch a chunk L1 lacks from L2, check it, commit it to L1; return it pinned."""
+        """Read a chunk L1 lacks from the disk tier, else fetch it from L2 (and write it
+        behind to disk), check it, commit it to L1; return it pinned."""
+        disk = self._disk
+        if disk is not None:
+            found = disk.promote(
+                chunk_key,
+                reg.rank,
+                reg.layout.signature,
+                chunk_bytes=reg.chunk_bytes,
+                needed=needed,
+                note=note,
+            )
+            if found is not None:
+                return found
         l2 = self._l2
         if l2 is None or not l2.up:
             return None
@@ -224,6 +240,8 @@ class Retrieve:
                 raise
             self._pool.commit(entry)
             l2.served()
+            if disk is not None:
+                disk.enqueue(entry)
         return self._pool.pin(chunk_key, reg.rank, layout, needed)
 
 
