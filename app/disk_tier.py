@@ -230,8 +230,12 @@ class DiskTier:
             if self._queued + entry.nbytes > self.queue_bytes:
                 writes.labels("queue_full").inc()
                 return
-            if not self._pool.pin_entry(entry):
-                return  # replaced already: the replacement is queued in its turn
+            pinned = self._pool.pin(entry.key, entry.rank, entry.layout, entry.present)
+            if pinned is not entry:  # gone already, or replaced: queued in its turn
+                if pinned is not None:
+                    self._pool.unpin(pinned)
+                writes.labels("evicted").inc()
+                return
             self._queue.append(entry)
             self._queued += entry.nbytes
             self._cond.notify()

@@ -179,7 +179,8 @@ class Telemetry:
         self.disk_writes = Counter(
             "mpcache_disk_writes",
             "Committed chunks offered to the disk tier, by outcome: written, present "
-            "(already on disk), queue_full, too_large (over --disk-size), shutdown, error.",
+            "(already on disk), queue_full, evicted (left L1 before queued), too_large "
+            "(over --disk-size), shutdown, error.",
             ["outcome"],
             registry=r,
         )

@@ -571,15 +571,6 @@ class Pool:
             self._index.move_to_end((key, rank))
             return entry
 
-    def pin_entry(self, entry: Entry) -> bool:
-        """Pin an entry just committed (the caller holds it, not its key): False if it
-        is no longer visible. As ``pin``, it is then never evicted until ``unpin``."""
-        with self._lock:
-            if not (entry.live and entry.ready):
-                return False
-            entry.pins += 1
-            return True
-
     def unpin(self, entry: Entry) -> None:
         with self._lock:
             entry.pins -= 1

@@ -26,9 +26,9 @@ from contract.schemas import REGISTRATION_TOKEN_HEADER
 from tests.dataplane.support import (
     ShmKV,
     build_kv,
+    random_tokens,
     register_body,
     register_over,
-    random_tokens,
     token_field,
     transfer_item,
     vllm_layer,
@@ -107,7 +107,11 @@ def _blocks(chunks: int, first: int = 1) -> list[int]:
 
 
 def _data(kv: ShmKV, blocks: list[int]) -> list[bytes]:
-    return [kv.block(layer, 0, b).contiguous().view(torch.uint8).numpy().tobytes() for layer in LAYERS for b in blocks]
+    return [
+        kv.block(layer, 0, b).contiguous().view(torch.uint8).numpy().tobytes()
+        for layer in LAYERS
+        for b in blocks
+    ]
 
 
 @contextlib.contextmanager
