@@ -366,6 +366,7 @@ class ChunkSizeResponse(_Reply):
                         "session_manager": "done",
                         "blend_matcher": "disabled",
                         "telemetry": "done",
+                        "disk_tier": "disabled",
                         "coordinator": "done",
                     },
                 }
