@@ -19,7 +19,9 @@ interleaved so machine noise hits every figure alike:
    then retrieve it: every chunk read from disk, checked and promoted into the
    pool, then copied into the KV cache (disk retrieve GB/s); baseline: drop them
    again, then a raw ``os.pread`` of the same files (same flags), in alternating
-   order with the retrieve.
+   order with the retrieve; then the same retrieve again, from the pool (what the
+   copy into the KV cache costs by itself: a retrieve from disk does both, one
+   after the other).
 
 Prints GB/s and ms median (min-max) over at least 5 rounds, each ratio within its
 round, and the machine load. Disk: about 6 x ``--tokens`` x 32 KiB a round, all
@@ -56,6 +58,7 @@ FIGURES = (
     "retrieve from disk",
     "raw pread",
     "retrieve from disk / raw pread",
+    "retrieve from L1",
     "disk writer",
     "raw pwrite",
     "disk writer / raw pwrite",
@@ -215,11 +218,19 @@ def main() -> None:
                     assert got_r["loaded_tokens"] == args.tokens, got_r
                 gbps[source] = nbytes / (time.perf_counter() - begin) / 1e9
             assert _metric(on, 'mpcache_disk_reads_total{outcome="hit"}') == hits + chunks
+            begin = time.perf_counter()  # the same prompt again, now from the pool
+            blocks = list(range(1, num_blocks))
+            got_r = transfer(
+                on, "/cache/retrieve", f"r{seq}", tokens, blocks, 0, args.tokens, "on", NAMESPACE
+            )
+            assert got_r["loaded_tokens"] == args.tokens, got_r
+            gbps["L1"] = nbytes / (time.perf_counter() - begin) / 1e9
             on.post("/cache/end", json={"request_ids": [f"r{seq}"]})
             if r < 0:
                 continue
             rounds.add("retrieve from disk", gbps["disk"])
             rounds.add("raw pread", gbps["raw"])
+            rounds.add("retrieve from L1", gbps["L1"])
             rounds.add("disk writer", writer_gbps)
             rounds.add("raw pwrite", raw_write_gbps)
             rounds.add("store reply, disk on", ms["on"])
@@ -232,7 +243,7 @@ def main() -> None:
     print()
     print(
         rounds.table(
-            ["retrieve from disk", "raw pread"],
+            ["retrieve from disk", "raw pread", "retrieve from L1"],
             "raw pread",
             unit="GB/s",
             ratio_label="/ raw pread",
