@@ -17,6 +17,7 @@ are deleted.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ __all__ = [
     "Found",
     "check_directory",
     "check_fits",
+    "lock_directory",
     "read_meta",
     "scan",
 ]
@@ -187,12 +189,31 @@ def empty(files: ChunkFiles, found: Found) -> None:
         files.remove(name)
 
 
+def lock_directory(directory: Path) -> int:
+    """Create ``directory`` if need be and take its lock: the descriptor holding it
+    (one server per directory; closing it, or the process's death, releases it)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise DiskRefused(f"{PATH_KEY} {directory}: {exc}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        raise DiskRefused(
+            f"{PATH_KEY} {directory} is in use by another server process; give each "
+            "server its own directory"
+        ) from exc
+    return fd
+
+
 def check_directory(directory: Path, size_bytes: int, minimum: int, maximum: int) -> None:
     """What ``DiskTier.open`` refuses, checked before the server starts (a one-line
     error from the CLI): the directory can be made, its ``meta.json`` read, its chunk
     size selected, and ``--disk-size`` fits."""
+    os.close(lock_directory(directory))  # in use by a running server: refused here
     try:
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         meta = read_meta(directory)
         if meta is not None:
             check_chunk_size(directory, meta, minimum, maximum)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -47,6 +48,7 @@ from app.disk_dir import (
     check_chunk_size,
     check_fits,
     empty,
+    lock_directory,
     read_meta,
     rebuild,
     scan,
@@ -85,7 +87,9 @@ class DiskTier:
         pool: Pool,
         telemetry: Telemetry,
         queue_bytes: int,
+        lock_fd: int = -1,
     ) -> None:
+        self._lock_fd = lock_fd
         self._files = files
         self._index = index
         self._meta = meta
@@ -118,8 +122,8 @@ class DiskTier:
         """Check and index ``directory`` (``DiskRefused`` naming the setting if it cannot
         serve); with L2, its seed wins (a directory keyed by another is emptied)."""
         began = time.monotonic()
+        lock_fd = lock_directory(directory)
         try:
-            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             meta = read_meta(directory)
             found = scan(directory)
             check_fits(directory, size_bytes, found.held_bytes)
@@ -143,8 +147,11 @@ class DiskTier:
             check_chunk_size(directory, meta, min_chunk_size, max_chunk_size)
             index = DiskIndex(size_bytes)
             refused = rebuild(files, index, found, meta.chunk_size) if meta.chunk_size else []
-        except OSError as exc:
-            raise DiskRefused(f"{PATH_KEY} {directory}: {exc}") from exc
+        except BaseException as exc:
+            os.close(lock_fd)
+            if isinstance(exc, OSError):
+                raise DiskRefused(f"{PATH_KEY} {directory}: {exc}") from exc
+            raise
         for why in refused[:10]:
             logger.warning("disk tier: refused and deleted %s", why)
         telemetry.disk_reads.labels("corrupt").inc(len(refused))
@@ -165,6 +172,7 @@ class DiskTier:
             pool=pool,
             telemetry=telemetry,
             queue_bytes=queue_bytes,
+            lock_fd=lock_fd,
         )
 
     @property
@@ -212,6 +220,9 @@ class DiskTier:
         with self._cond:
             self._queued -= sum(entry.nbytes for entry in left)
         self._telemetry.disk_writes.labels("shutdown").inc(len(left))
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # another server may use the directory now
+            self._lock_fd = -1
         if left:
             logger.warning("disk tier: %d queued chunk(s) not written at shutdown", len(left))
 

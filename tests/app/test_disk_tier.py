@@ -233,6 +233,7 @@ def test_a_restarted_tier_keeps_its_seed_and_serves_its_files(tmp_path: Path, po
         assert got is not None and got.present == 0b11
         assert np.array_equal(fresh.view(got).numpy(), payload)
         fresh.unpin(got)
+        again.close(0)
     finally:
         fresh.close()
 
@@ -255,6 +256,7 @@ def test_a_torn_file_is_refused_deleted_and_counted_when_read(tmp_path: Path, po
         assert telemetry.disk_reads.labels("corrupt")._value.get() == 1
         assert not path.exists() and again.health().chunks == 0
         assert fresh.stats().pending == 0 and fresh.stats().entries == 0
+        again.close(0)
     finally:
         fresh.close()
 
@@ -271,6 +273,7 @@ def test_a_file_whose_size_disagrees_is_deleted_at_start(tmp_path: Path, pool: P
     again = _open(tmp_path, pool, telemetry)
     assert again.health().chunks == 0 and not path.exists()
     assert telemetry.disk_reads.labels("corrupt")._value.get() == 1
+    again.close(0)
 
 
 def test_the_l2_seed_wins_and_empties_a_directory_keyed_by_another(
@@ -286,13 +289,17 @@ def test_the_l2_seed_wins_and_empties_a_directory_keyed_by_another(
     assert again.seed == other and again.health().chunks == 0
     assert json.loads((tmp_path / "meta.json").read_text())["seed"] == other
     assert not list(tmp_path.glob("*/*.chunk"))
+    again.close(0)
 
 
 def test_refusals_at_start_name_the_setting(tmp_path: Path, pool: Pool) -> None:
     with pytest.raises(DiskRefused, match="MPCACHE_DISK_SIZE"):
         _open(tmp_path, pool, Telemetry(), size_bytes=1 << 62)
     tier = _open(tmp_path, pool, Telemetry())
+    with pytest.raises(DiskRefused, match="in use by another server"):
+        _open(tmp_path, pool, Telemetry())
     tier.bind(CHUNK)
+    tier.close(0)
     with pytest.raises(DiskRefused, match=r"chunks of 64 tokens.*128 to 1024"):
         _open(tmp_path, pool, Telemetry(), min_chunk_size=128)
     (tmp_path / "meta.json").write_text('{"format": "other", "version": 9}')
