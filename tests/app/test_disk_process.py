@@ -191,13 +191,14 @@ def test_a_torn_or_altered_file_is_refused_deleted_and_counted(tmp_path: Path) -
 
 def test_a_directory_in_use_or_of_another_chunk_size_is_refused(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
-    with _kv() as kv, _node(disk, kv):
-        # One server per directory: a second one is refused at start.
-        with (
-            pytest.raises(RuntimeError, match="in use by another server"),
-            server_process(*_flags(disk)),
-        ):
-            pass
+    # One server per directory: a second one is refused at start.
+    with (
+        _kv() as kv,
+        _node(disk, kv),
+        pytest.raises(RuntimeError, match="in use by another server"),
+        server_process(*_flags(disk)),
+    ):
+        pass
     # Below the minimum: a size this server can never select, refused at start.
     cmd = ["--chunk-size", "128", "--disk-path", str(disk), "--disk-size", "64MiB"]
     with pytest.raises(RuntimeError) as refused, server_process(*cmd):
