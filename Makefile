@@ -57,6 +57,7 @@ bench: venv e2e-venv
 	$(PY) bench/lookup_heap_bench.py
 	$(PY) bench/gc_pause_bench.py
 	$(PY) bench/l2_bench.py
+	$(PY) bench/disk_bench.py
 	$(PY) bench/client_call_bench.py
 	$(PY) bench/ttft_bench.py
 	$(PY) bench/step_bench.py

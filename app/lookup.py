@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.bodies import INLINE_BODY_BYTES, decode_json, is_json, read_json, span_tokens
 from app.chunk_size import ChunkSizeAuthority
+from app.disk_tier import DiskTier
 from app.hashing import TokenHasher
 from app.l2 import KeyBudget, L2Tier
 from app.lookup_areas import LookupAreas
@@ -63,6 +64,7 @@ class LookupContext:
     telemetry: Telemetry
     lease_ttl_s: float
     l2: L2Tier | None = None
+    disk: DiskTier | None = None
 
 
 class LookupBatch:
@@ -76,10 +78,12 @@ class LookupBatch:
     of session, on session expiry, or after ``lease_ttl_s``), so the retrieve that
     follows finds them. ``add_many`` answers its items at once, with one hold of the
     sessions' lock and one of the pool's, so a binary lookup is served while the
-    rest of its body still arrives. With an L2 tier, ``check_l2`` then extends each
-    item's hits by the chunks that follow them and that L2 holds for every rank
-    (blocking I/O: run it off the event loop). ``finish`` returns the reply, counts
-    the chunks and observes the call's duration, from the batch's creation.
+    rest of its body still arrives. With a disk tier, the chunks that follow L1's
+    hits and are on disk for every rank count too (its index is in memory). With an
+    L2 tier, ``check_l2`` then extends each item's hits by the chunks that follow
+    them and that L2 holds for every rank (blocking I/O: run it off the event loop).
+    ``finish`` returns the reply, counts the chunks and observes the call's duration,
+    from the batch's creation.
     """
 
     def __init__(self, context: LookupContext, chunk_size: int) -> None:
@@ -87,7 +91,7 @@ class LookupBatch:
         self._size = chunk_size
         self._results: list[LookupResult] = []
         self._hits = self._misses = 0
-        self._l2_hits = 0
+        self._l2_hits = self._disk_hits = 0
         self._l2_budget = KeyBudget()  # the L2 keys this call may still ask
         # (result index, target, L1 hits, keys past them) of items L2 may extend
         self._l2_candidates: list[tuple[int, LookupTarget, int, list[bytes]]] = []
@@ -123,6 +127,11 @@ class LookupBatch:
         ):
             if (hits or units) and ttl > 0:
                 session.holds_leases = True
+            if context.disk is not None and hits < len(keys):
+                extra = self._disk_leading(context.disk, item, keys[hits:])
+                if extra:  # whole chunks from disk reach past any units of L1's next chunk
+                    hits, units = hits + extra, 0
+                    self._disk_hits += extra
             if l2 and hits < len(keys):
                 self._l2_candidates.append((len(results), item, hits, keys[hits:]))
             hit_tokens = hits * size + units * (item.unit_tokens or 0)
@@ -207,8 +216,14 @@ class LookupBatch:
             item.namespace, self._size, layout, item.world_size, keys, self._l2_budget
         )
 
+    def _disk_leading(self, disk: DiskTier, item: LookupTarget, keys: Sequence[bytes]) -> int:
+        """How many of ``keys`` the disk tier holds for every rank, in order (no I/O)."""
+        layout = self._context.registry.layout_for(item.namespace, item.world_size)
+        return 0 if layout is None else disk.count_leading(keys, item.world_size, layout)
+
     def finish(self) -> LookupResponse:
         telemetry = self._context.telemetry
+        telemetry.chunks_disk_hit.inc(self._disk_hits)
         telemetry.chunks_hit.inc(self._hits)
         telemetry.chunks_l2_hit.inc(self._l2_hits)
         telemetry.chunks_missed.inc(self._misses)

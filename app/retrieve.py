@@ -9,6 +9,7 @@ from functools import partial
 
 import numpy as np
 
+from app.disk_tier import DiskTier
 from app.hashing import TokenHasher
 from app.kv_events import BlockNote, StoredItem
 from app.l2 import L2Tier
@@ -48,8 +49,8 @@ class Retrieve:
     units past the last whole chunk load from any entry answering their unit key
     (``dataplane.pool``), all or nothing. ``loaded_tokens`` counts what loaded; every
     non-null block of what did not, to ``end_token``'s last whole unit, is listed in
-    ``failed_block_ids``. A chunk L1 lacks is fetched from the L2 tier (if
-    any), checked, and promoted into L1 before it is served. The deadline
+    ``failed_block_ids``. A chunk L1 lacks is read from the disk tier, else fetched
+    from the L2 tier (if any), checked, and promoted into L1 before it is served. The deadline
     (``app.transfers``) is checked before writing each chunk: once it has passed no
     more is written (the client may reuse its blocks), and the rest is reported
     failed.
@@ -64,6 +65,7 @@ class Retrieve:
         hasher: TokenHasher,
         telemetry: Telemetry,
         l2: L2Tier | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
         self._transfers = transfers
         self._hasher = hasher
@@ -72,6 +74,7 @@ class Retrieve:
         self._telemetry = telemetry
         self._seconds = telemetry.op_seconds.labels("retrieve")
         self._promoter = None if l2 is None else Promoter(l2, pool)
+        self._disk = disk
 
     def run(
         self, req: RetrieveRequest, *, received_at: float | None = None, token: str | None = None
@@ -150,24 +153,59 @@ class Retrieve:
         parts: list[_Part],
         found: list[Entry | None],
     ) -> None:
-        """Fill ``found``'s gaps (chunks L1 lacks) from L2, in one pipeline."""
+        """Fill ``found``'s gaps (chunks L1 lacks) from the disk tier, then what is
+        still missing from L2, in one pipeline; a chunk L2 gave is queued for disk."""
         missing = [n for n, entry in enumerate(found) if entry is None]
-        if self._promoter is None or not missing or call.deadline.passed():
+        if not missing or call.deadline.passed():
             return
         reg, told = call.reg, self._told(call, it, keys)
-        wants = [
-            Want(
+        wants = {
+            n: Want(
                 keys[parts[n].chunk],
                 slot_mask(parts[n].ids),
                 BlockNote(told, parts[n].chunk, reg.world_size),
             )
             for n in missing
-        ]
+        }
+        disk = self._disk
+        if disk is not None:
+            missing = self._from_disk(disk, call, missing, wants, found)
+        if self._promoter is None or not missing or call.deadline.passed():
+            return
         promoted = self._promoter.promote(
-            Owner.of(reg), call.chunk_size, wants, call.deadline.passed
+            Owner.of(reg), call.chunk_size, [wants[n] for n in missing], call.deadline.passed
         )
         for n, entry in zip(missing, promoted, strict=True):
             found[n] = entry
+            if entry is not None and disk is not None:
+                disk.enqueue(entry)
+
+    @staticmethod
+    def _from_disk(
+        disk: DiskTier,
+        call: TransferCall,
+        missing: list[int],
+        wants: dict[int, Want],
+        found: list[Entry | None],
+    ) -> list[int]:
+        """Fill ``found``'s gaps from the disk tier, in order, up to its first miss (or
+        the deadline); return the gaps still open."""
+        reg = call.reg
+        for n in missing:
+            if call.deadline.passed():
+                break
+            want = wants[n]
+            found[n] = disk.promote(
+                want.chunk_key,
+                reg.rank,
+                reg.layout.signature,
+                chunk_bytes=reg.chunk_bytes,
+                needed=want.needed,
+                note=want.note,
+            )
+            if found[n] is None:
+                break  # what follows a miss is not served: L2 fills from here
+        return [n for n in missing if found[n] is None]
 
     @staticmethod
     def _told(call: TransferCall, it: CheckedItem, keys: Sequence[bytes]) -> StoredItem:

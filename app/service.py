@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from app.blend import BlendMatcher
 from app.bodies import span_tokens
 from app.chunk_size import ChunkSizeAuthority
+from app.disk_tier import DiskTier
 from app.hashing import TokenHasher
 from app.l2 import L2Tier
 from app.lookup import LookupContext, Lookups
@@ -73,6 +74,7 @@ class CacheService:
         gate: FdGate | None = None,
         clock: Callable[[], float] = time.monotonic,
         l2: L2Tier | None = None,
+        disk: DiskTier | None = None,
         device: DevicePath | None = None,
     ) -> None:
         self._chunk_size = chunk_size
@@ -84,7 +86,7 @@ class CacheService:
         copier = copier or CopyPool(1)
         self._pool_pressure = PoolPressureLog(clock=clock)
         self.lookups = Lookups(
-            LookupContext(sessions, hasher, pool, registry, telemetry, lease_ttl_s, l2),
+            LookupContext(sessions, hasher, pool, registry, telemetry, lease_ttl_s, l2, disk),
             chunk_size=chunk_size,
             areas=areas,
         )
@@ -105,6 +107,7 @@ class CacheService:
             telemetry=telemetry,
             pressure=self._pool_pressure,
             l2=l2,
+            disk=disk,
         )
         self._retrieve = Retrieve(
             transfers=self.transfers,
@@ -113,6 +116,7 @@ class CacheService:
             hasher=hasher,
             telemetry=telemetry,
             l2=l2,
+            disk=disk,
         )
         self._registrar = Registrar(
             chunk_size=chunk_size, registry=registry, telemetry=telemetry, gate=gate, device=device

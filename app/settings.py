@@ -139,6 +139,20 @@ class Settings(BaseSettings):
         le=512 * 1024**2,
         description="Largest chunk written to or accepted from L2 (Redis allows 512MB).",
     )
+    disk_path: Path | None = Field(
+        None,
+        description="Directory of the local-disk tier under the pool (created if missing; "
+        "keep it on a local NVMe): every committed chunk is written behind to it, a chunk "
+        "the pool lacks is read back from it, and a restart with the same directory serves "
+        "what it held (it keeps its hash seed and chunk size in meta.json). Unset: off.",
+    )
+    disk_size: ByteSize = Field(
+        "16GiB",
+        validate_default=True,
+        ge=1024**2,
+        description="Most bytes the disk tier's files take (LRU eviction past it); at "
+        "start it must fit the filesystem's free space plus what the directory holds.",
+    )
     kv_events_endpoint: str | None = Field(
         None,
         description="Publish KV events in vLLM's own format (its ZmqEventPublisher's "
@@ -327,6 +341,13 @@ class Settings(BaseSettings):
                 "(TLS) or unix:///path/to/socket"
             )
         return url
+
+    @field_validator("disk_path", mode="before")
+    @classmethod
+    def _disk_path(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():
+            return None
+        return value
 
     @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
     @classmethod

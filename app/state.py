@@ -29,6 +29,8 @@ from app.coordinator import (
     StandaloneCoordinator,
     member_info,
 )
+from app.disk_dir import DiskRefused, check_directory
+from app.disk_tier import DiskTier
 from app.hashing import TokenHasher
 from app.kv_events import BlockLedger, BlockPublisher, EventRecorder, ZmqSink
 from app.l2 import L2Tier
@@ -61,7 +63,14 @@ class StartupRefused(RuntimeError):
     """The server cannot start as configured (the message names the setting)."""
 
 
-BINDING_ORDER = ("token_hasher", "session_manager", "blend_matcher", "telemetry", "coordinator")
+BINDING_ORDER = (
+    "token_hasher",
+    "session_manager",
+    "blend_matcher",
+    "telemetry",
+    "disk_tier",
+    "coordinator",
+)
 
 
 @dataclass
@@ -91,6 +100,8 @@ class Runtime:
     """Published for connectors on this host (``GET /cache/key-index``); None when off."""
     parser: BodyParser = field(default_factory=BodyParser)
     l2: L2Tier | None = None
+    disk: DiskTier | None = None
+    """The local-disk tier (``--disk-path``); None when off."""
     copy_rates: dict[int, float] = field(default_factory=dict)
     """GB/s per thread count measured at start (empty when --copy-threads was given)."""
     block_kernel: str = "off"
@@ -163,6 +174,8 @@ class Runtime:
             self.parser.close()
             if self.l2 is not None:
                 self.l2.close()
+            if self.disk is not None:
+                self.disk.close(self.settings.shutdown_timeout_s)  # before the pool goes
             self.cache.close()
             self.sessions.close()
             self.registry.close()
@@ -270,6 +283,10 @@ def _events(
     return publisher, mirror
 
 
+def _unbound(chunk_size: int) -> None:
+    """A disabled binding's stand-in (never run)."""
+
+
 def build_runtime(settings: Settings) -> Runtime:
     boot_id = uuid.uuid4().hex
     telemetry = Telemetry()
@@ -293,6 +310,16 @@ def preflight(settings: Settings) -> None:
     """Raise ``StartupRefused`` if a configured Redis does not answer (and the
     coordinator is not optional): the CLI calls it before serving, for a one-line
     error instead of a failed lifespan."""
+    if settings.disk_path is not None:
+        try:
+            check_directory(
+                settings.disk_path,
+                int(settings.disk_size),
+                settings.chunk_size,
+                settings.max_chunk_size,
+            )
+        except DiskRefused as exc:
+            raise StartupRefused(str(exc)) from exc
     if settings.coordinator_optional:
         return
     for setting, url in (
@@ -389,18 +416,39 @@ def _build(
     # deployment-wide seed, so the pool comes first.
     sweep_stale_segments()  # pools of crashed servers, KV caches of crashed workers
     pool = Pool.create(segment_name("pool"), settings.pool_size, settings.pool_page_size)
+    l2 = disk = None
     try:
         l2 = _l2(settings, boot_id, pool, telemetry)
+        disk = _disk(settings, pool, telemetry, l2)
+        return _assemble(settings, boot_id, telemetry, coordinator, pool, l2, disk)
     except BaseException:
-        pool.close()
-        raise
-    try:
-        return _assemble(settings, boot_id, telemetry, coordinator, pool, l2)
-    except BaseException:
+        if disk is not None:
+            disk.close(0)
         if l2 is not None:
             l2.close()
         pool.close()
         raise
+
+
+def _disk(
+    settings: Settings, pool: Pool, telemetry: Telemetry, l2: L2Tier | None
+) -> DiskTier | None:
+    """The local-disk tier, its directory checked and indexed (None without
+    --disk-path). With L2 the deployment's seed wins over the directory's."""
+    if settings.disk_path is None:
+        return None
+    try:
+        return DiskTier.open(
+            settings.disk_path,
+            size_bytes=int(settings.disk_size),
+            pool=pool,
+            telemetry=telemetry,
+            l2_seed=l2.seed if l2 is not None else None,
+            min_chunk_size=settings.chunk_size,
+            max_chunk_size=settings.max_chunk_size,
+        )
+    except DiskRefused as exc:
+        raise StartupRefused(str(exc)) from exc
 
 
 def _assemble(
@@ -410,9 +458,13 @@ def _assemble(
     coordinator: Coordinator,
     pool: Pool,
     l2: L2Tier | None,
+    disk: DiskTier | None,
 ) -> Runtime:
     chain, chain_note = _key_chain()
-    hasher = TokenHasher(l2.seed if l2 is not None else None, chain=chain)
+    # The seed of the keys the tiers below the pool hold: L2's (shared by the
+    # deployment), else the disk directory's (kept across restarts), else a new one.
+    seed = l2.seed if l2 is not None else disk.seed if disk is not None else None
+    hasher = TokenHasher(seed, chain=chain)
     index: key_index.KeyIndex | None = None
     sessions = SessionManager(
         hasher,
@@ -428,6 +480,7 @@ def _assemble(
             Binding("session_manager", sessions.bind),
             Binding("blend_matcher", blend.bind, enabled=blend.enabled),
             Binding("telemetry", telemetry.bind),
+            Binding("disk_tier", disk.bind if disk else _unbound, enabled=disk is not None),
             Binding("coordinator", coordinator.join),
         ]
     )
@@ -462,7 +515,9 @@ def _assemble(
     )
     areas = LookupAreas(gate)
     try:
-        index = _key_index(settings, pool, hasher, boot_id, authoritative=l2 is None)
+        index = _key_index(
+            settings, pool, hasher, boot_id, authoritative=l2 is None and disk is None
+        )
         gate.start()
         cache = CacheService(
             chunk_size=authority,
@@ -477,6 +532,7 @@ def _assemble(
             copier=copier,
             gate=gate,
             l2=l2,
+            disk=disk,
             device=device,
         )
         if settings.pool_prefault:
@@ -497,6 +553,8 @@ def _assemble(
             l2=l2,
         )
         events.start()
+        if disk is not None:
+            disk.start()
         return Runtime(
             settings=settings,
             boot_id=boot_id,
@@ -520,6 +578,7 @@ def _assemble(
             held_mirror=mirror,
             key_index=index,
             l2=l2,
+            disk=disk,
             copy_rates=copy_rates,
             block_kernel=kernel_note,
             key_chain=chain_note,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from app.blend import BlendMatcher
+from app.disk_tier import DiskTier
 from app.hashing import TokenHasher
 from app.kv_events import BlockNote, StoredItem
 from app.l2 import L2Tier, WriteJob
@@ -58,9 +59,10 @@ class Store:
     A GPU registration's chunks commit once their copies have run on the server's
     stream, each while the next one's copy is queued (``CopyWindow``); a chunk whose
     predecessor failed is aborted, never committed.
-    A committed chunk joins the CacheBlend index (when enabled) and, with an L2 tier,
-    is queued for write-behind; its entry's note (``app.kv_events.BlockNote``) says
-    which block of which prompt it is, for the KV events.
+    A committed chunk joins the CacheBlend index (when enabled) and, with a disk or
+    an L2 tier, is queued for write-behind; its entry's note
+    (``app.kv_events.BlockNote``) says which block of which prompt it is, for the KV
+    events.
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class Store:
         telemetry: Telemetry,
         pressure: PoolPressureLog,
         l2: L2Tier | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
         self._transfers = transfers
         self._pool = pool
@@ -84,6 +87,7 @@ class Store:
         self._seconds = telemetry.op_seconds.labels("store")
         self._pressure = pressure
         self._l2 = l2
+        self._disk = disk
 
     def run(
         self, req: StoreRequest, *, received_at: float | None = None, token: str | None = None
@@ -240,6 +244,8 @@ class Store:
         self._pool.commit(entry)
         if content_key is not None:
             self._blend.add(content_key)
+        if self._disk is not None and chunk_key is not None:
+            self._disk.enqueue(entry)  # pinned until its file is written
         l2 = self._l2
         if l2 is not None and chunk_key is not None:
             reg = call.reg

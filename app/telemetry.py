@@ -171,6 +171,47 @@ class Telemetry:
         self.l2_queue_chunks = Gauge(
             "mpcache_l2_queue_chunks", "Committed chunks waiting to be written to L2.", registry=r
         )
+        self.chunks_disk_hit = Counter(
+            "mpcache_chunks_disk_hit",
+            "Chunks lookups found on the local disk tier, past L1's (also in chunks_hit).",
+            registry=r,
+        )
+        self.disk_writes = Counter(
+            "mpcache_disk_writes",
+            "Committed chunks offered to the disk tier, by outcome: written, present "
+            "(already on disk), queue_full, evicted (left L1 before queued), too_large "
+            "(over --disk-size), shutdown, error.",
+            ["outcome"],
+            registry=r,
+        )
+        self.disk_reads = Counter(
+            "mpcache_disk_reads",
+            "Chunk files read by retrieves, by outcome: hit (promoted into L1), miss (gone, "
+            "or no room in L1), corrupt (torn or foreign: refused and deleted, also at start).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("written", "queue_full", "error"):
+            self.disk_writes.labels(outcome)
+        for outcome in ("hit", "miss", "corrupt"):
+            self.disk_reads.labels(outcome)
+        self.disk_bytes = Counter(
+            "mpcache_disk_bytes", "Bytes written to and read from disk, by op.", ["op"], registry=r
+        )
+        self.disk_evicted = Counter(
+            "mpcache_disk_evicted", "Chunk files evicted from disk (LRU).", registry=r
+        )
+        self.disk_used_bytes = Gauge(
+            "mpcache_disk_used_bytes", "Bytes the disk tier's chunk files take.", registry=r
+        )
+        self.disk_capacity_bytes = Gauge(
+            "mpcache_disk_capacity_bytes", "The disk tier's --disk-size (0: off).", registry=r
+        )
+        self.disk_queue_bytes = Gauge(
+            "mpcache_disk_queue_bytes",
+            "Bytes of committed chunks waiting to be written to disk (pinned in L1).",
+            registry=r,
+        )
         self.tokens_loaded = Counter(
             "mpcache_tokens_loaded",
             "Tokens copied into KV caches by retrieves: the prefix tokens vLLM did not "

@@ -90,6 +90,7 @@ __all__ = [
     "ClusterMember",
     "ClusterResponse",
     "CudaIpcTensor",
+    "DiskHealth",
     "EndSessionsRequest",
     "EndSessionsResponse",
     "GroupInfo",
@@ -365,6 +366,7 @@ class ChunkSizeResponse(_Reply):
                         "session_manager": "done",
                         "blend_matcher": "disabled",
                         "telemetry": "done",
+                        "disk_tier": "disabled",
                         "coordinator": "done",
                     },
                 }
@@ -455,6 +457,21 @@ class ClusterResponse(_Reply):
     detail: str | None = Field(None, description="Why the coordinator or L2 is down, if it is.")
 
 
+class DiskHealth(_Reply):
+    """The local-disk tier (``--disk-path``), as its threads last left it (no I/O)."""
+
+    path: str
+    io: Literal["direct", "buffered"] = Field(
+        description="`direct`: O_DIRECT reads and writes; `buffered`: the filesystem "
+        "refused O_DIRECT (tmpfs does), through the page cache."
+    )
+    chunk_size: int | None = Field(description="The directory's chunk size (null: none yet).")
+    capacity_bytes: int = Field(description="--disk-size.")
+    used_bytes: int = Field(description="What its chunk files take.")
+    chunks: int = Field(description="Chunk files held (one per chunk and rank).")
+    queued_bytes: int = Field(description="Committed chunks waiting to be written behind.")
+
+
 class HealthResponse(_Reply):
     model_config = ConfigDict(
         frozen=True,
@@ -495,6 +512,7 @@ class HealthResponse(_Reply):
     cluster: ClusterHealth | None = Field(
         None, description="Coordinator and L2 state (`GET /cluster` has the members)."
     )
+    disk: DiskHealth | None = Field(None, description="The local-disk tier; null when off.")
 
 
 # ---------------------------------------------------------------------- registration

@@ -73,6 +73,7 @@ async def health(runtime: RuntimeDep) -> HealthResponse:
         lookup_areas=runtime.lookup_areas.count(),
         version=__version__,
         cluster=runtime.cluster_health(),
+        disk=runtime.disk.health() if runtime.disk is not None else None,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from app.bindings import Binding, BindingPipeline
 from app.blend import BlendMatcher
 from app.chunk_size import FinalChunkSize
 from app.coordinator import StandaloneCoordinator
+from app.disk_tier import DiskTier
 from app.hashing import TokenHasher
 from app.sessions import SessionManager
 from app.state import BINDING_ORDER, Runtime
@@ -24,6 +26,7 @@ COMPONENTS: dict[str, type] = {
     "session_manager": SessionManager,
     "blend_matcher": BlendMatcher,
     "telemetry": Telemetry,
+    "disk_tier": DiskTier,
     "coordinator": StandaloneCoordinator,
 }
 METHOD = {name: "join" if name == "coordinator" else "bind" for name in COMPONENTS}
@@ -66,8 +69,10 @@ def runtime_of(client: TestClient) -> Runtime:
     return runtime
 
 
-def test_bindings_run_in_order(make_client: MakeClient, calls: list[tuple[str, int]]) -> None:
-    client = make_client(enable_blend=True)
+def test_bindings_run_in_order(
+    make_client: MakeClient, calls: list[tuple[str, int]], tmp_path: Path
+) -> None:
+    client = make_client(enable_blend=True, disk_path=tmp_path, disk_size="16MiB")
     assert client.post("/negotiate", json={"required_alignment": 96}).status_code == 200
     assert calls == [(name, 288) for name in BINDING_ORDER]
     assert set(client.get("/chunk-size").json()["bindings"].values()) == {"done"}
@@ -77,10 +82,13 @@ def test_bindings_run_in_order(make_client: MakeClient, calls: list[tuple[str, i
 
 
 def test_failed_binding_then_retry_resumes(
-    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch, calls: list[tuple[str, int]]
+    make_client: MakeClient,
+    monkeypatch: pytest.MonkeyPatch,
+    calls: list[tuple[str, int]],
+    tmp_path: Path,
 ) -> None:
     telemetry_calls = fail_times(monkeypatch, Telemetry, "bind", times=2)
-    client = make_client(enable_blend=True)
+    client = make_client(enable_blend=True, disk_path=tmp_path, disk_size="16MiB")
 
     for attempt in (1, 2):
         reply = client.post("/negotiate", json={"required_alignment": 96})
@@ -96,6 +104,7 @@ def test_failed_binding_then_retry_resumes(
             "session_manager": "done",
             "blend_matcher": "done",
             "telemetry": "failed",
+            "disk_tier": "pending",
             "coordinator": "pending",
         }
         assert client.get("/health").json()["final"] is False

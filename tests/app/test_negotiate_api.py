@@ -84,6 +84,7 @@ def test_reads_never_select(client: TestClient) -> None:
         "session_manager": "pending",
         "blend_matcher": "disabled",
         "telemetry": "pending",
+        "disk_tier": "disabled",
         "coordinator": "pending",
     }
     # The first negotiation after the reads still selects freely.
