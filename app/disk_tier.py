@@ -12,8 +12,9 @@ chunks past L1's hits that the in-memory index holds for every rank
 a pending pool entry, checks it (``app.disk_codec``: header, size, checksum) and
 commits it (``promote``); a torn or foreign file is refused, deleted and counted.
 Eviction: LRU within ``--disk-size`` (``app.disk_index``); a retrieve hit
-refreshes a file. I/O runs on the writer thread and on the retrieve's own thread
-(the thread pool), never on the event loop nor in vLLM's step. A restart with the
+refreshes a file. I/O runs on the writer thread and on ``READERS`` reader threads
+(``promote_later``: a retrieve reads a few chunks ahead of the one it copies,
+``app.disk_reads``), never on the event loop nor in vLLM's step. A restart with the
 same directory serves what it held (``app.disk_dir``: the seed and chunk size in
 ``meta.json``, the index rebuilt from headers). SIGTERM lets the writer finish the
 queue (within --shutdown-timeout-s); a SIGKILL loses what was still queued (the
@@ -29,6 +30,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -61,12 +63,14 @@ from contract.errors import Conflict
 from contract.schemas import DiskHealth
 from dataplane.pool import Entry, Pool
 
-__all__ = ["QUEUE_POOL_FRACTION", "DiskChunkSizeMismatch", "DiskRefused", "DiskTier"]
+__all__ = ["QUEUE_POOL_FRACTION", "READERS", "DiskChunkSizeMismatch", "DiskRefused", "DiskTier"]
 
 logger = logging.getLogger(__name__)
 
 QUEUE_POOL_FRACTION = 4
 """The write-behind queue holds at most 1/4 of the pool (its entries are pinned)."""
+READERS = 4
+"""Reader threads, shared by every retrieve (``promote_later``: ``app.disk_reads``)."""
 
 
 class DiskChunkSizeMismatch(Conflict):
@@ -101,6 +105,7 @@ class DiskTier:
         self._cond = threading.Condition()
         self._closing = self._stopped = False
         self._thread: threading.Thread | None = None
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="mpcache-disk-reader")
         telemetry.disk_capacity_bytes.set(index.capacity_bytes)
         telemetry.disk_used_bytes.set_function(lambda: index.used_bytes)
         telemetry.disk_queue_bytes.set_function(lambda: self._queued)
@@ -215,6 +220,7 @@ class DiskTier:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._readers.shutdown(wait=True, cancel_futures=True)
         for entry in left:
             self._pool.unpin(entry)
         with self._cond:
@@ -353,6 +359,32 @@ class DiskTier:
         reads.labels("hit").inc()
         self._telemetry.disk_bytes.labels("read").inc(record.file_bytes)
         return pool.pin(chunk_key, rank, layout, needed)
+
+    def promote_later(
+        self,
+        chunk_key: bytes,
+        rank: int,
+        layout: bytes,
+        *,
+        chunk_bytes: int,
+        needed: int,
+        note: object = None,
+    ) -> Future[Entry | None]:
+        """``promote`` on a reader thread (a closed tier reads no more: None)."""
+        try:
+            return self._readers.submit(
+                self.promote,
+                chunk_key,
+                rank,
+                layout,
+                chunk_bytes=chunk_bytes,
+                needed=needed,
+                note=note,
+            )
+        except RuntimeError:  # shut down
+            done: Future[Entry | None] = Future()
+            done.set_result(None)
+            return done
 
     def _read_into(self, ident: Ident, record: DiskRecord, entry: Entry) -> None:
         chunk_size = self._meta.chunk_size

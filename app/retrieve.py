@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
 
+from app.disk_reads import ReadAhead
 from app.disk_tier import DiskTier
 from app.hashing import TokenHasher
 from app.kv_events import BlockNote, StoredItem
@@ -38,7 +39,10 @@ class _Part:
     """Per group, the chunk's block ids (cut to its units, ``CheckedItem.tail_ids``)."""
 
 
-_Pinned = list[tuple[_Part, Entry]]
+_Take = Callable[[], Entry | None]
+"""A chunk read ahead from the disk tier (``ReadAhead.take``): its entry, pinned, or None."""
+_Found = Entry | _Take | None
+_Pinned = list[tuple[_Part, Entry | _Take]]
 
 
 class Retrieve:
@@ -50,7 +54,10 @@ class Retrieve:
     (``dataplane.pool``), all or nothing. ``loaded_tokens`` counts what loaded; every
     non-null block of what did not, to ``end_token``'s last whole unit, is listed in
     ``failed_block_ids``. A chunk L1 lacks is read from the disk tier, else fetched
-    from the L2 tier (if any), checked, and promoted into L1 before it is served. The deadline
+    from the L2 tier (if any), checked, and promoted into L1 before it is served;
+    without L2, the disk reads run ahead of the copies (``app.disk_reads``), each
+    chunk's taken right before it is copied, and the first that cannot be served ends
+    the item there. The deadline
     (``app.transfers``) is checked before writing each chunk: once it has passed no
     more is written (the client may reuse its blocks), and the rest is reported
     failed.
@@ -98,12 +105,17 @@ class Retrieve:
         if units and tail <= len(keys):
             parts.append(_Part(tail, units, it.tail_ids(call.reg, tail, units)))
         timed_out = call.deadline.passed()
-        pinned = [] if timed_out else self._pin(call, it, keys, parts)
+        reads = None if self._disk is None else self._read_ahead(call)
+        pinned: _Pinned = []
         try:
+            pinned = [] if timed_out else self._pin(call, it, keys, parts, reads)
             loaded, cut = self._load(call, it, pinned)
         finally:
-            for _, entry in pinned:
-                self._pool.unpin(entry)
+            for _, got in pinned:
+                if isinstance(got, Entry):  # what _load took, or held from the start
+                    self._pool.unpin(got)
+            if reads is not None:
+                reads.close()  # what was read ahead and not taken
         unit = it.item.unit_tokens or 0
         result = RetrieveResult(
             request_id=it.item.request_id,
@@ -115,20 +127,37 @@ class Retrieve:
         self._telemetry.tokens_loaded.inc(result.loaded_tokens)
         return result, timed_out or cut
 
+    def _read_ahead(self, call: TransferCall) -> ReadAhead:
+        assert self._disk is not None
+        reg = call.reg
+        return ReadAhead(
+            self._disk,
+            self._pool,
+            rank=reg.rank,
+            layout=reg.layout.signature,
+            chunk_bytes=reg.chunk_bytes,
+        )
+
     def _pin(
-        self, call: TransferCall, it: CheckedItem, keys: Sequence[bytes], parts: list[_Part]
+        self,
+        call: TransferCall,
+        it: CheckedItem,
+        keys: Sequence[bytes],
+        parts: list[_Part],
+        reads: ReadAhead | None,
     ) -> _Pinned:
-        """Pin the leading parts that can be served (whole chunks from L1, else promoted
-        from L2, all of the item's at once; a chunk's first units from any L1 entry
-        answering their unit key); stop at the first that cannot."""
+        """Pin the leading parts that can be served (whole chunks from L1, else read
+        ahead from disk or promoted from L2, all of the item's at once; a chunk's first
+        units from any L1 entry answering their unit key); stop at the first that
+        cannot (a chunk read ahead may still turn out not to be: ``_load`` stops there)."""
         reg = call.reg
         layout = reg.layout.signature
-        found: list[Entry | None] = []
+        found: list[_Found] = []
         for part in parts:
             if part.units:
                 break  # the units load only after every whole chunk before them
             found.append(self._pool.pin(keys[part.chunk], reg.rank, layout, slot_mask(part.ids)))
-        self._promote(call, it, keys, parts, found)
+        self._promote(call, it, keys, parts, found, reads)
         pinned: _Pinned = []
         for part, entry in zip(parts, found, strict=False):
             if entry is None:
@@ -140,9 +169,9 @@ class Retrieve:
             entry = self._pool.pin_unit(unit_key, reg.rank, layout, slot_mask(part.ids))
             if entry is not None:
                 pinned.append((part, entry))
-        for entry in found[len(pinned) :]:
-            if entry is not None:
-                self._pool.unpin(entry)  # past a chunk that cannot be served
+        for got in found[len(pinned) :]:
+            if isinstance(got, Entry):
+                self._pool.unpin(got)  # past a chunk that cannot be served
         return pinned
 
     def _promote(
@@ -151,7 +180,8 @@ class Retrieve:
         it: CheckedItem,
         keys: Sequence[bytes],
         parts: list[_Part],
-        found: list[Entry | None],
+        found: list[_Found],
+        reads: ReadAhead | None,
     ) -> None:
         """Fill ``found``'s gaps (chunks L1 lacks) from the disk tier, then what is
         still missing from L2, in one pipeline; a chunk L2 gave is queued for disk."""
@@ -168,8 +198,8 @@ class Retrieve:
             for n in missing
         }
         disk = self._disk
-        if disk is not None:
-            missing = self._from_disk(disk, call, missing, wants, found)
+        if reads is not None:
+            missing = self._from_disk(reads, call, missing, wants, found)
         if self._promoter is None or not missing or call.deadline.passed():
             return
         promoted = self._promoter.promote(
@@ -180,31 +210,31 @@ class Retrieve:
             if entry is not None and disk is not None:
                 disk.enqueue(entry)
 
-    @staticmethod
     def _from_disk(
-        disk: DiskTier,
+        self,
+        reads: ReadAhead,
         call: TransferCall,
         missing: list[int],
         wants: dict[int, Want],
-        found: list[Entry | None],
+        found: list[_Found],
     ) -> list[int]:
-        """Fill ``found``'s gaps from the disk tier, in order, up to its first miss (or
-        the deadline); return the gaps still open."""
-        reg = call.reg
+        """Fill ``found``'s gaps from the disk tier, in order: each one read ahead,
+        taken when ``_load`` reaches it. With an L2 tier, they are taken here, up to
+        the first miss (or the deadline), so that L2 fills the gaps from there; return
+        the gaps still open."""
+        for n in missing:
+            reads.add(n, wants[n])
+        if self._promoter is None:
+            for n in missing:
+                found[n] = partial(reads.take, n)
+            return []
         for n in missing:
             if call.deadline.passed():
                 break
-            want = wants[n]
-            found[n] = disk.promote(
-                want.chunk_key,
-                reg.rank,
-                reg.layout.signature,
-                chunk_bytes=reg.chunk_bytes,
-                needed=want.needed,
-                note=want.note,
-            )
+            found[n] = reads.take(n)
             if found[n] is None:
                 break  # what follows a miss is not served: L2 fills from here
+        reads.close()  # what was read past the first miss
         return [n for n in missing if found[n] is None]
 
     @staticmethod
@@ -240,9 +270,16 @@ class Retrieve:
         cut = False
         window = CopyWindow(call.reg.cuda_device)
         try:
-            for n, (part, entry) in enumerate(pinned):
+            for n, (part, got) in enumerate(pinned):
                 if call.deadline.passed():
                     # The client has given up and may reuse its blocks: write no more.
+                    cut = True
+                    break
+                entry = got if isinstance(got, Entry) else got()  # read ahead: wait for it
+                if entry is None:
+                    break  # not on disk after all (or refused): the item ends here
+                pinned[n] = (part, entry)  # unpinned by the caller
+                if call.deadline.passed():  # while it was read
                     cut = True
                     break
                 view = self._pool.view(entry)
