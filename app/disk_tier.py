@@ -25,11 +25,12 @@ loss may tear the last ones, which the checksum then refuses.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -69,6 +70,10 @@ logger = logging.getLogger(__name__)
 
 QUEUE_POOL_FRACTION = 4
 """The write-behind queue holds at most 1/4 of the pool (its entries are pinned)."""
+STORE_HOLD_S = 0.05
+"""How long the writer holds back while a store call copies into the pool, so that
+the two do not compete for the CPU while the store's caller waits; past it, the
+writer writes anyway (a steady stream of stores delays the disk by this much)."""
 READERS = 4
 """Reader threads, shared by every retrieve (``promote_later``: ``app.disk_reads``)."""
 
@@ -104,6 +109,7 @@ class DiskTier:
         self._queued = 0
         self._cond = threading.Condition()
         self._closing = self._stopped = False
+        self._copying = 0  # store calls copying into the pool now (``copying``)
         self._thread: threading.Thread | None = None
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="mpcache-disk-reader")
         telemetry.disk_capacity_bytes.set(index.capacity_bytes)
@@ -257,10 +263,24 @@ class DiskTier:
             self._queued += entry.nbytes
             self._cond.notify()
 
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        """Around a store call's copies: the writer holds back meanwhile (at most
+        ``STORE_HOLD_S`` a chunk), so the write-behind does not slow the reply."""
+        with self._cond:
+            self._copying += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._copying -= 1
+                self._cond.notify_all()
+
     def _run(self) -> None:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue or self._stopped)
+                self._cond.wait_for(lambda: not self._copying or self._stopped, STORE_HOLD_S)
                 if self._stopped:
                     return
                 entry = self._queue.popleft()

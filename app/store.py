@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 from app.blend import BlendMatcher
@@ -95,7 +96,10 @@ class Store:
         """Store the batch; ``received_at`` (monotonic) starts ``req.timeout_s``;
         ``token`` is the registration's."""
         with self._seconds.time():
-            with self._transfers.call("store", req, received_at=received_at, token=token) as call:
+            with (
+                self._transfers.call("store", req, received_at=received_at, token=token) as call,
+                contextlib.nullcontext() if self._disk is None else self._disk.copying(),
+            ):
                 results = [self._store_item(call, it) for it in call.items]
             late = sum(r.failed_chunks for r, timed_out in results if timed_out)
             self._transfers.note_late("store", req, results, f"{late} chunk(s) not stored")

@@ -28,6 +28,7 @@ from app.disk_tier import DiskChunkSizeMismatch, DiskTier
 from app.telemetry import Telemetry
 from contract.shm_naming import segment_name
 from dataplane.pool import Entry, Pool
+from tests.support import wait_until
 
 KEY, LAYOUT, CHUNK = bytes(range(16)), bytes(range(16, 32)), 64
 PAGE = 4096
@@ -191,6 +192,24 @@ def test_a_queued_chunk_stays_pinned_in_the_pool_until_its_file_is_written(
     other = pool.begin_store(b"x" * 16, 0, nbytes=13 * PAGE, layout=LAYOUT, present=1)
     assert isinstance(other, Entry)  # unpinned once written: now it may be evicted
     pool.abort(other)
+
+
+def test_the_writer_holds_back_while_a_store_copies_but_never_for_long(
+    tmp_path: Path, pool: Pool
+) -> None:
+    """The write-behind yields the CPU to a store call in flight (so the reply is not
+    slowed), and still writes when stores never stop (the hold is bounded)."""
+    telemetry = Telemetry()
+    tier = _open(tmp_path, pool, telemetry)
+    tier.bind(CHUNK)
+    tier.start()
+    try:
+        with tier.copying():  # a store call that never ends
+            tier.enqueue(_commit(pool, KEY, _payload(4)))
+            assert _written(telemetry) == 0  # held: nothing was written inside the call
+            wait_until(lambda: _written(telemetry) == 1, timeout_s=10.0, what="the held write")
+    finally:
+        _flush(tier)
 
 
 def test_a_full_queue_drops_and_counts_instead_of_blocking(tmp_path: Path, pool: Pool) -> None:
