@@ -57,6 +57,7 @@ HEALTH_REPLY = {
     "lookup_areas": 1,
     "version": "0.1.0",
     "cluster": {"mode": "redis", "deployment": "d", "coordinator": "up", "l2": "down"},
+    "disk": None,
 }
 CHUNK_REPLY = {
     "chunk_size": None,
