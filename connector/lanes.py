@@ -91,15 +91,6 @@ class Lane:
                     job.revoked.update(ids)
         return running
 
-    def wait_oldest(self, timeout_s: float) -> bool:
-        """Wait (at most ``timeout_s``) for the oldest job not done; False if none."""
-        with self._lock:
-            job = self._jobs[0] if self._jobs else None
-        if job is None:
-            return False
-        job.done.wait(timeout_s)
-        return True
-
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait (at most ``timeout_s``) until every job submitted so far is done."""
         with self._lock:

@@ -74,7 +74,6 @@ class StepPlan:
     vLLM recomputes them instead of waiting for ever. ``preempted`` are requests
     vLLM preempted this step (their blocks may be rewritten by its forward): every
     worker revokes their stores not yet sent and waits for one being sent.
-    ``idle``: vLLM computes no token this step (it steps only to drive transfers).
     """
 
     loads: tuple[TransferOp, ...] = ()
@@ -82,7 +81,6 @@ class StepPlan:
     ended: tuple[str, ...] = field(default=())
     failed_loads: tuple[str, ...] = ()
     preempted: tuple[str, ...] = ()
-    idle: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.stores or self.failed_loads or self.preempted)

@@ -235,7 +235,6 @@ class MPCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _finished_stores(self, finished_req_ids: set[str]) -> set[str]:
         try:
-            self._worker().idle_step(self._plan())
             return self._worker().take_finished_stores(finished_req_ids)
         except Exception as exc:  # nothing raises into vLLM's step
             self._swallow("finished stores", exc)

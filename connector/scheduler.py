@@ -255,7 +255,6 @@ class SchedulerAdapter:
             ended=ended,
             failed_loads=tuple(failed_loads),
             preempted=tuple(rid for rid in preempted if rid in self._storing),
-            idle=getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0,
         )
         # Only now, with the plan made: the workers see exactly these stores.
         self._storing.update(op.request_id for op in plan.stores)

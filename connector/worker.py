@@ -74,13 +74,6 @@ MAX_QUEUED_LOADS = 1 << 16
 beyond it has its loads reported failed, so vLLM recomputes them)."""
 
 
-IDLE_STEP_WAIT_S = 0.001
-"""On a step where vLLM computes nothing (it steps only to drive transfers), how long
-the worker waits for its oldest transfer before reporting: the engine would
-otherwise spin empty steps as fast as it can, taking the CPU that transfer needs,
-and a transfer done within the wait is reported in this step rather than the next."""
-
-
 def _ids(ops: Iterable[TransferOp]) -> frozenset[str]:
     return frozenset(op.request_id for op in ops)
 
@@ -381,12 +374,6 @@ class WorkerAdapter:
         else:
             # Block ids are per group, so vLLM takes only request-level failures.
             out.failed.add(op.request_id)
-
-    def idle_step(self, plan: StepPlan) -> None:
-        """On an idle step (``plan.idle``) with transfers in flight, wait for the
-        oldest of them, at most ``IDLE_STEP_WAIT_S`` (no request waits on this step)."""
-        if plan.idle and not self._load_lane.wait_oldest(IDLE_STEP_WAIT_S):
-            self._store_lane.wait_oldest(IDLE_STEP_WAIT_S)
 
     def take_transfer_results(self) -> tuple[set[str], set[str]]:
         """(finished loads, failed loads) since the last call; failed ones are in both.

@@ -58,7 +58,6 @@ HEALTH_REPLY = {
     "version": "0.1.0",
     "cluster": {"mode": "redis", "deployment": "d", "coordinator": "up", "l2": "down"},
     "disk": None,
-    "disk": None,
 }
 CHUNK_REPLY = {
     "chunk_size": None,

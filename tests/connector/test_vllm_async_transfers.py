@@ -156,25 +156,3 @@ def test_a_preempted_request_is_not_rewritten_while_its_store_runs(
     ]
     # Step 1's call, whole; step 2's (B's blocks, after the preemption) never sent.
     assert sent == [("A", 0, 96), ("B", 0, 64)]
-
-
-def test_a_step_that_computes_nothing_is_marked_idle_for_the_workers(
-    tiny_model_dir: Path, built: list[Any], fake_server: FakeServer
-) -> None:
-    """vLLM steps while a request's lookup is in flight and nothing else runs: that
-    step's plan says so (the worker may then wait for its transfers a little), and a
-    step that computes tokens does not."""
-    from tests.connector.vllm_support import make_request
-
-    scheduler, worker = _engine(tiny_model_dir, built, fake_server, num_blocks=32)
-    gate = fake_server.hold("/cache/lookup")
-    scheduler.add_request(make_request("A", [(i * 37 + 11) % 997 for i in range(150)]))
-    out, _ = worker.step()  # A's answer is "not yet": nothing is scheduled
-    assert out.total_num_scheduled_tokens == 0
-    assert out.kv_connector_metadata.plan.idle
-    gate.set()
-    for _ in range(1000):  # bounded: the lookup has landed within a few steps
-        out, _ = worker.step()
-        if out.total_num_scheduled_tokens:
-            break
-    assert out.total_num_scheduled_tokens and not out.kv_connector_metadata.plan.idle

@@ -205,11 +205,8 @@ def _run_two_requests(
         )
     assert out.scheduled_new_reqs == []
 
-    # The load runs off the step: vLLM keeps B waiting until it is reported done (in
-    # the step that started it, when it lands within that idle step's wait).
+    # The load runs off the step: vLLM keeps B waiting until it is reported done.
     def b_loaded() -> bool:
-        if "B" in scheduler.finished_recving_kv_req_ids:
-            return True
         out, _ = worker.step()
         assert "B" not in out.num_scheduled_tokens
         return "B" in scheduler.finished_recving_kv_req_ids

@@ -19,12 +19,7 @@ from connector.config import ConnectorConfig
 from connector.errors import LayoutError, ServerUnreachable, StartupError
 from connector.metadata import StepPlan, TransferOp
 from connector.registration import block_view
-from connector.worker import (
-    IDLE_STEP_WAIT_S,
-    MAX_QUEUED_STORES,
-    WorkerAdapter,
-    server_budget_s,
-)
+from connector.worker import MAX_QUEUED_STORES, WorkerAdapter, server_budget_s
 from contract.fdpass import F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, seals_of
 from contract.schemas import RetrieveRequest
 from contract.tokens import encode_tokens
@@ -583,37 +578,6 @@ def test_preemption_revokes_queued_stores_and_waits_for_the_running_one(
     assert worker.flush(5.0)
     stores = [body for _, path, body in server.calls if path == "/cache/store"]
     assert [[r["request_id"] for r in body["requests"]] for body in stores] == [["A"], ["B"]]
-
-
-def test_an_idle_step_waits_a_bounded_while_for_the_oldest_transfer(
-    workers: list[WorkerAdapter], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """On a step where vLLM computes nothing, the worker lets its transfer run rather
-    than spin the next empty step at once, for at most IDLE_STEP_WAIT_S; a step that
-    computes never waits."""
-    server = FakeServer(min_chunk_size=64)
-    worker = registered(workers, server)
-    gate = server.hold("/cache/retrieve")
-    worker.start_load(StepPlan(loads=(_op("B", list(range(64)), 0, 64, [0, 2, 3, 4]),)))
-    wait_until(lambda: server.arrived.get("/cache/retrieve") == 1, what="the retrieve call")
-    lane = worker._load_lane
-    waits: list[tuple[float, bool]] = []
-    real_wait = lane.wait_oldest
-
-    def recording_wait(timeout_s: float) -> bool:
-        waited = real_wait(timeout_s)
-        waits.append((timeout_s, waited))
-        return waited
-
-    monkeypatch.setattr(lane, "wait_oldest", recording_wait)
-    worker.idle_step(StepPlan())  # vLLM computes tokens this step: no wait
-    assert waits == []
-    worker.idle_step(StepPlan(idle=True))  # the call is held: the wait ends on its bound
-    assert waits == [(IDLE_STEP_WAIT_S, True)]
-    assert worker.take_transfer_results() == (set(), set())  # not done: not reported
-    gate.set()
-    assert worker.flush(5.0)
-    assert worker.take_transfer_results() == ({"B"}, set())
 
 
 def test_a_full_store_lane_drops_the_step(workers: list[WorkerAdapter]) -> None:
