@@ -110,6 +110,7 @@ def test_the_first_ask_is_answered_as_the_server_would(server: str) -> None:
             assert at_once == by_http, name
         salted = FakeRequest("salted", list(prompt))
         salted.cache_salt = "tenant-b"
+        indexed.send_lookups()  # a new step: the last one's budget may be spent
         assert indexed.get_num_new_matched_tokens(salted, 0) == (0, False)
     finally:
         for adapter in (indexed, asked, worker):
