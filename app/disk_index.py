@@ -44,7 +44,8 @@ class DiskIndex:
 
     def holds(self, ident: Ident, present: int) -> bool:
         """Whether a file of ``ident`` holds every slot of ``present`` (no refresh)."""
-        record = self._lru.get(ident)
+        with self._lock:
+            record = self._lru.get(ident)
         return record is not None and not present & ~record.present
 
     def get(self, ident: Ident) -> DiskRecord | None:
@@ -112,8 +113,9 @@ class DiskIndex:
         ``range(world_size)`` (no refresh; stops at the first miss)."""
         lru = self._lru
         hits = 0
-        for key in keys:
-            if not all((key, rank, layout) in lru for rank in range(world_size)):
-                break
-            hits += 1
+        with self._lock:  # one consistent view across the ranks
+            for key in keys:
+                if not all((key, rank, layout) in lru for rank in range(world_size)):
+                    break
+                hits += 1
         return hits

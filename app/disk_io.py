@@ -114,13 +114,16 @@ class ChunkFiles:
         temp = path.with_name(f".{path.name}.{threading.get_ident()}{TEMP_SUFFIX}")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._flags(payload), 0o600)
         try:
-            written = _whole(os.pwritev, fd, bufs, 0)
-        finally:
-            os.close(fd)
-        if written != size:
-            temp.unlink(missing_ok=True)
-            raise OSError(errno.EIO, f"short write of {temp}: {written} of {size} bytes")
-        os.replace(temp, path)
+            try:
+                written = _whole(os.pwritev, fd, bufs, 0)
+            finally:
+                os.close(fd)
+            if written != size:
+                raise OSError(errno.EIO, f"short write of {temp}: {written} of {size} bytes")
+            os.replace(temp, path)
+        except BaseException:
+            temp.unlink(missing_ok=True)  # ENOSPC, EIO, a short write: no stray file
+            raise
         return size
 
     def read_header(self, name: str) -> memoryview:

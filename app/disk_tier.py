@@ -71,9 +71,11 @@ logger = logging.getLogger(__name__)
 QUEUE_POOL_FRACTION = 4
 """The write-behind queue holds at most 1/4 of the pool (its entries are pinned)."""
 STORE_HOLD_S = 0.05
-"""How long the writer holds back while a store call copies into the pool, so that
-the two do not compete for the CPU while the store's caller waits; past it, the
-writer writes anyway (a steady stream of stores delays the disk by this much)."""
+"""How long after a chunk was queued the writer may hold it back while a store call
+copies into the pool, so that the two do not compete for the CPU while the store's
+caller waits; past it, the writer writes anyway. A chunk queued longer ago is not
+held, so a steady stream of stores delays the disk by this much, not this much a
+chunk."""
 READERS = 4
 """Reader threads, shared by every retrieve (``promote_later``: ``app.disk_reads``)."""
 
@@ -105,7 +107,7 @@ class DiskTier:
         self._pool = pool
         self._telemetry = telemetry
         self.queue_bytes = queue_bytes
-        self._queue: collections.deque[Entry] = collections.deque()
+        self._queue: collections.deque[tuple[Entry, float]] = collections.deque()
         self._queued = 0
         self._cond = threading.Condition()
         self._closing = self._stopped = False
@@ -220,7 +222,7 @@ class DiskTier:
             self._closing = True
             self._cond.wait_for(lambda: not self._queued, timeout=timeout_s)
             self._stopped = True
-            left = list(self._queue)
+            left = [entry for entry, _ in self._queue]
             self._queue.clear()
             self._cond.notify_all()
         if self._thread is not None:
@@ -259,14 +261,15 @@ class DiskTier:
                     self._pool.unpin(pinned)
                 writes.labels("evicted").inc()
                 return
-            self._queue.append(entry)
+            self._queue.append((entry, time.monotonic()))
             self._queued += entry.nbytes
             self._cond.notify()
 
     @contextlib.contextmanager
     def copying(self) -> Iterator[None]:
-        """Around a store call's copies: the writer holds back meanwhile (at most
-        ``STORE_HOLD_S`` a chunk), so the write-behind does not slow the reply."""
+        """Around a store call's copies: the writer holds back meanwhile (a chunk at
+        most ``STORE_HOLD_S`` from its queueing), so the write-behind does not slow
+        the reply."""
         with self._cond:
             self._copying += 1
         try:
@@ -280,10 +283,12 @@ class DiskTier:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue or self._stopped)
-                self._cond.wait_for(lambda: not self._copying or self._stopped, STORE_HOLD_S)
+                hold = self._queue[0][1] + STORE_HOLD_S - time.monotonic() if self._queue else 0
+                if hold > 0:
+                    self._cond.wait_for(lambda: not self._copying or self._stopped, hold)
                 if self._stopped:
                     return
-                entry = self._queue.popleft()
+                entry, _ = self._queue.popleft()
             try:
                 self._write(entry)
             except Exception:

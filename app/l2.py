@@ -24,7 +24,7 @@ from typing import Literal
 import numpy as np
 import redis
 
-from app.l2_values import FORMAT_VERSION, CorruptValue, decode_value, encode_header, seal
+from app.l2_values import FORMAT_VERSION, encode_header, seal
 from app.redis_io import RedisUnavailable, redacted, translated
 from app.redis_wire import Wires
 from app.telemetry import Telemetry
@@ -33,12 +33,10 @@ from dataplane.pool import Pool
 __all__ = [
     "FORMAT_VERSION",
     "MAX_LOOKUP_KEYS",
-    "CorruptValue",
     "KeyBudget",
     "L2State",
     "L2Tier",
     "WriteJob",
-    "decode_value",
     "encode_header",
     "l2_key",
 ]

@@ -265,7 +265,8 @@ class Promoter:
                 pipe = self.l2.client.pipeline(transaction=False)
                 for chunk in window:
                     pipe.get(chunk.key)
-                values = pipe.execute()
+                # An error reply (WRONGTYPE, ...) is one value's miss, as on the raw path.
+                values = pipe.execute(raise_on_error=False)
             for n, (chunk, raw) in enumerate(zip(window, values, strict=True)):
                 out[start + n] = self._copied(chunk, raw)
 

@@ -101,7 +101,11 @@ class Wire:
                 sock = socket.create_connection(
                     (params.host, params.port), timeout=params.timeout_s
                 )
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                except BaseException:
+                    sock.close()
+                    raise
         except OSError as exc:
             raise RedisUnavailable(f"connect: {type(exc).__name__}: {exc}") from exc
         wire = cls(sock)

@@ -152,23 +152,33 @@ class Retrieve:
         cannot (a chunk read ahead may still turn out not to be: ``_load`` stops there)."""
         reg = call.reg
         layout = reg.layout.signature
+        below = self._disk is not None or self._promoter is not None
         found: list[_Found] = []
         for part in parts:
             if part.units:
                 break  # the units load only after every whole chunk before them
-            found.append(self._pool.pin(keys[part.chunk], reg.rank, layout, slot_mask(part.ids)))
-        self._promote(call, it, keys, parts, found, reads)
+            entry = self._pool.pin(keys[part.chunk], reg.rank, layout, slot_mask(part.ids))
+            found.append(entry)
+            if entry is None and not below:
+                break  # no tier can fill this gap: nothing past it is served
         pinned: _Pinned = []
-        for part, entry in zip(parts, found, strict=False):
-            if entry is None:
-                break
-            pinned.append((part, entry))
-        if len(pinned) == len(found) < len(parts):  # a tail's units, after every chunk
-            part = parts[len(found)]
-            unit_key = self._unit_key(call, it, keys, part)
-            entry = self._pool.pin_unit(unit_key, reg.rank, layout, slot_mask(part.ids))
-            if entry is not None:
-                pinned.append((part, entry))
+        try:
+            self._promote(call, it, keys, parts, found, reads)
+            for part, got in zip(parts, found, strict=False):
+                if got is None:
+                    break
+                pinned.append((part, got))
+            if len(pinned) == len(found) < len(parts):  # a tail's units, after every chunk
+                part = parts[len(found)]
+                unit_key = self._unit_key(call, it, keys, part)
+                entry = self._pool.pin_unit(unit_key, reg.rank, layout, slot_mask(part.ids))
+                if entry is not None:
+                    pinned.append((part, entry))
+        except BaseException:
+            for got in found:
+                if isinstance(got, Entry):
+                    self._pool.unpin(got)  # the caller unpins only what this returns
+            raise
         for got in found[len(pinned) :]:
             if isinstance(got, Entry):
                 self._pool.unpin(got)  # past a chunk that cannot be served

@@ -27,12 +27,11 @@ from connector.request_state import PendingLookup, RequestState, RequestTable
 from connector.servers import ServerLink, blocking_client, ranks_of_server
 from contract.frames import SEND_PIECE_BYTES, lookup_frame_marks, lookup_frame_parts
 from contract.schemas import (
-    EndSessionsRequest,
     LookupFrameHeader,
     LookupFrameItem,
     LookupResponse,
 )
-from contract.wire_text import wire_salt, wire_text
+from contract.wire_text import end_sessions, wire_salt, wire_text
 
 __all__ = ["CallFailed", "LookupSender", "Lookups"]
 
@@ -339,7 +338,7 @@ class LookupSender:
                 p.answer(hit)
         finished = [p.request_id for p in batch if p.finished]
         if finished:  # finished while in flight: the lookup may have reopened a session
-            body = EndSessionsRequest(request_ids=[wire_text(r) for r in finished])
+            body = end_sessions(finished)
             for url, client in self._clients.items():
                 try:
                     client.end_sessions(body)

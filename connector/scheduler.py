@@ -37,8 +37,8 @@ from connector.servers import (
     open_links,
     renegotiate,
 )
-from contract.schemas import EndSessionsRequest, NegotiateRequest
-from contract.wire_text import wire_text
+from contract.schemas import NegotiateRequest
+from contract.wire_text import end_sessions
 
 __all__ = ["SchedulerAdapter"]
 
@@ -295,7 +295,7 @@ class SchedulerAdapter:
             self._failures("end", "mpcache: ending sessions failed", exc=exc)
 
     def _send_end(self, request_ids: Sequence[str]) -> None:
-        body = EndSessionsRequest(request_ids=[wire_text(r) for r in request_ids])
+        body = end_sessions(request_ids)
 
         async def job(clients: Mapping[str, AsyncControlClient]) -> None:
             for client in clients.values():
@@ -306,7 +306,7 @@ class SchedulerAdapter:
     def shutdown(self) -> None:
         """End outstanding sessions (bounded), stop the heartbeat, close clients."""
         if self._ended:
-            body = EndSessionsRequest(request_ids=[wire_text(r) for r in self._ended])
+            body = end_sessions(self._ended)
             self._ended.clear()
             for link in self.links.values():
                 if link.healthy:

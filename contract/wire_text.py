@@ -11,8 +11,11 @@ salt itself would; one long id no longer fails its whole lookup batch.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
-__all__ = ["MAX_TEXT_CHARS", "wire_salt", "wire_text"]
+from contract.schemas import EndSessionsRequest
+
+__all__ = ["MAX_TEXT_CHARS", "end_sessions", "wire_salt", "wire_text"]
 
 MAX_TEXT_CHARS = 256
 """The longest request id or cache salt a server field takes."""
@@ -31,3 +34,8 @@ def wire_text(text: str) -> str:
 def wire_salt(cache_salt: str | None) -> str | None:
     """``wire_text`` of a cache salt (None: no salt)."""
     return None if cache_salt is None else wire_text(cache_salt)
+
+
+def end_sessions(request_ids: Iterable[str]) -> EndSessionsRequest:
+    """The body that ends vLLM's ``request_ids``' sessions, each as ``wire_text``."""
+    return EndSessionsRequest(request_ids=[wire_text(r) for r in request_ids])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.l2 import CorruptValue, decode_value, encode_header, l2_key, seal
+from app.l2 import l2_key
+from app.l2_values import CorruptValue, decode_value, encode_header, seal
 
 KEY = bytes(range(16))
 LAYOUT = bytes(range(16, 32))

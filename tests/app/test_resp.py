@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -153,10 +152,8 @@ def test_a_silent_server_times_out(pair: tuple[Wire, socket.socket]) -> None:
     wire, theirs = pair
     theirs.sendall(b"$10\r\nabc")
     assert wire.header().number == 10
-    begin = time.monotonic()
-    with pytest.raises(RedisUnavailable, match="timed out"):
+    with pytest.raises(RedisUnavailable, match="timed out"):  # the socket timeout
         wire.read_into(memoryview(bytearray(10)))
-    assert time.monotonic() - begin < 5  # the 0.5 s socket timeout, not forever
     assert wire.closed
 
 
