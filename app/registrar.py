@@ -89,6 +89,8 @@ class Registrar:
         refreshed = self._registry.add(
             reg, token=token, alive=gate.alive if gate is not None else None
         )
+        if reg.mapping is not None:
+            reg.mapping.start_prefault()  # a CPU worker's: its first retrieves do not fault
         if self._device is not None:
             self._device.registered(reg)  # a GPU's: the pool starts pinning for DMA
         peer = gate.peer(reg.conn_id) if gate is not None and reg.conn_id is not None else None

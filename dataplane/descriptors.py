@@ -24,6 +24,7 @@ from contract.dtypes import dtype_name, parse_dtype
 from contract.errors import InvalidDescriptor
 from contract.schemas import CudaIpcTensor, MemfdTensor
 from dataplane.fdgate import SealedMemory
+from dataplane.prefault import Prefaulter
 
 __all__ = [
     "MemfdMapping",
@@ -108,7 +109,10 @@ def tensor_geometry(desc: MemfdTensor | CudaIpcTensor, where: str = "tensor") ->
 class MemfdMapping:
     """The sealed memories one registration maps, by ticket (``dataplane.fdgate``).
 
-    ``close`` unmaps them all; the worker still holds its own mappings.
+    ``start_prefault`` populates the server's page tables for them in the background
+    (``dataplane.prefault``), so the first retrieve into a worker's fresh blocks does
+    not fault page by page; ``close`` stops that and unmaps them all (the worker
+    still holds its own mappings).
     """
 
     def __init__(self, conn_id: int, memories: dict[str, SealedMemory]) -> None:
@@ -118,8 +122,14 @@ class MemfdMapping:
             ticket: torch.frombuffer(mem.buffer, dtype=torch.uint8)
             for ticket, mem in memories.items()
         }
+        self.prefault = Prefaulter("mpcache-memfd-prefault")
+
+    def start_prefault(self) -> None:
+        bases = list(self.bases.values())
+        self.prefault.start([(b.data_ptr(), b.numel()) for b in bases], keep=bases)
 
     def close(self) -> None:
+        self.prefault.stop()
         self.bases.clear()
         for mem in self.memories.values():
             mem.close()

@@ -20,6 +20,7 @@ from typing import Final, Literal, Protocol
 import torch
 
 from dataplane.key_index import KeyIndex
+from dataplane.prefault import Prefaulter
 from dataplane.segments import Segment
 
 __all__ = [
@@ -319,31 +320,6 @@ class _Units:
         return 0, []
 
 
-class _Prefault:
-    """The thread that populates a segment's page tables (``Segment.prefault``)."""
-
-    def __init__(self, segment: Segment) -> None:
-        self._segment = segment
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self, address: int) -> None:
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(
-            target=self._segment.prefault,
-            args=(address, self._stop),
-            name="mpcache-pool-prefault",
-            daemon=True,
-        )
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-
 class Pool:
     """The L1 cache over one owned ``Segment``: ``create`` makes the segment, ``close``
     unmaps and unlinks it (the server's only segment; docs/design.md s.5).
@@ -399,7 +375,7 @@ class Pool:
         self._clock = clock
         self._lock = threading.Lock()
         self.on_drop = on_drop
-        self._prefault = _Prefault(segment)
+        self.prefault = Prefaulter("mpcache-pool-prefault")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -416,12 +392,13 @@ class Pool:
 
     def start_prefault(self) -> None:
         """Populate the pool's page tables in a background thread (stopped by ``close``)."""
-        if self._bytes is not None:
-            self._prefault.start(self._bytes.data_ptr())
+        view = self._bytes  # kept by the thread: the mapping outlives it
+        if view is not None:
+            self.prefault.start([(view.data_ptr(), view.numel())], keep=view)
 
     def close(self) -> None:
         """Drop every entry, unmap and unlink the pool's segment. Idempotent."""
-        self._prefault.stop()
+        self.prefault.stop()
         with self._lock:
             if self._bytes is None:
                 return

@@ -15,14 +15,12 @@ posix_ipc and OS errors are translated to ``contract.errors`` here and nowhere e
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import logging
 import mmap
 import os
 import sys
 import threading
-from typing import Any
 
 import posix_ipc
 
@@ -36,7 +34,6 @@ from contract.shm_naming import (
     fmt_bytes,
     sweep_stale,
 )
-from dataplane import libc
 
 __all__ = ["SWEPT_PREFIXES", "Segment", "sweep_stale_segments"]
 
@@ -44,9 +41,6 @@ logger = logging.getLogger(__name__)
 
 SWEPT_PREFIXES = (POOL_PREFIX, INDEX_PREFIX)
 """The kinds of segment the server sweeps at start."""
-
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not exported by Python's mmap module
-_PREFAULT_STEP_BYTES = 64 << 20
 
 
 def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
@@ -154,24 +148,3 @@ class Segment:
         if mm is None:
             raise ValueError(f"segment {self.name!r} is closed")
         return mm
-
-    # ------------------------------------------------------------------ pre-fault
-
-    def prefault(self, address: int, stop: threading.Event | None = None) -> None:
-        """Populate the page tables of the whole mapping, in steps (stoppable).
-
-        ``address`` is the mapping's start (e.g. a tensor's ``data_ptr()``). Uses
-        ``MADV_POPULATE_WRITE`` through libc (which releases the GIL); the pages
-        already exist (``create`` allocated them), so no data is written.
-        """
-        madvise = _libc_madvise()
-        for start in range(0, self.size_bytes, _PREFAULT_STEP_BYTES):
-            if (stop is not None and stop.is_set()) or self.closed:
-                return
-            length = min(_PREFAULT_STEP_BYTES, self.size_bytes - start)
-            if madvise is None or madvise(address + start, length, _MADV_POPULATE_WRITE) != 0:
-                return  # old kernel or no libc: first touches fault the pages instead
-
-
-def _libc_madvise() -> Any:
-    return libc.function("madvise", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)

@@ -36,6 +36,7 @@ from dataplane.blockcopy import BlockCopier
 from dataplane.descriptors import tensor_geometry
 from dataplane.layout import BlockTensorSpec, GroupSpec, chunk_layout
 from dataplane.plans import TensorPlan, make_plan
+from dataplane.prefault import populate
 from tests.support import require_kernel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -355,6 +356,33 @@ def shm_mappings(label: str) -> int:
     needle = f"/memfd:{label} (deleted)"
     with open("/proc/self/maps") as maps:
         return sum(1 for line in maps if line.rstrip().endswith(needle))
+
+
+def kernel_populates() -> bool:
+    """Whether this kernel takes ``MADV_POPULATE_WRITE`` (Linux >= 5.14)."""
+    with mmap.mmap(-1, mmap.PAGESIZE) as anon:
+        page = torch.frombuffer(anon, dtype=torch.uint8)
+        done = populate(page.data_ptr(), mmap.PAGESIZE)
+        del page
+    return done
+
+
+def shm_residency(label: str) -> list[tuple[int, int]]:
+    """``(Size, Rss)`` in KiB of each mapping of the memfd labelled ``label`` this
+    process holds: Rss counts the pages its page tables map."""
+    needle = f"/memfd:{label} (deleted)"
+    found: list[list[int]] = []
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            key, _, rest = line.partition(":")
+            if "-" in line.split(" ", 1)[0]:  # a mapping's header line
+                inside = line.rstrip().endswith(needle)
+                if inside:
+                    found.append([])
+            elif inside and key in ("Size", "Rss"):
+                found[-1].append(int(rest.split()[0]))
+    return [(size, rss) for size, rss in found]
 
 
 @contextmanager

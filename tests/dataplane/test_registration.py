@@ -11,12 +11,14 @@ from tests.dataplane.support import (
     NAMESPACE,
     CacheClient,
     KVFactory,
+    kernel_populates,
     lookup,
     metric,
     post_ok,
     random_tokens,
     register_body,
     shm_mappings,
+    shm_residency,
     store,
     token_field,
     transfer_item,
@@ -81,6 +83,21 @@ def test_register_is_idempotent_and_unregister_releases_mappings(
         json={"instance_id": "w", "rank": 0, "requests": [transfer_item("r", tokens, [[1] * 4])]},
     )
     assert reply.status_code == 404
+
+
+@pytest.mark.skipif(not kernel_populates(), reason="no MADV_POPULATE_WRITE (Linux < 5.14)")
+def test_the_server_populates_a_registered_memfd_so_first_copies_do_not_fault(
+    make_client: ClientFactory, shm_kv: KVFactory
+) -> None:
+    client = make_client()
+    kv = shm_kv([vllm_layer("l0", 0, 64)])  # the worker's own mapping: written, resident
+    post_ok(client, "/register", register_body(kv, "w", GROUPS, chunk_size=CHUNK))
+
+    def both_resident() -> bool:
+        maps = shm_residency(kv.name)
+        return len(maps) == 2 and all(size == rss for size, rss in maps)
+
+    wait_until(both_resident, what="the server's mapping fully populated")
 
 
 def _edit(body: dict[str, Any], path: str, value: Any) -> dict[str, Any]:

@@ -183,20 +183,6 @@ def test_a_refused_allocation_is_a_clear_error_and_leaves_no_segment(
     assert not _exists(name)
 
 
-def test_prefault_populates_without_writing() -> None:
-    import torch
-
-    seg = Segment.create(segment_name("pool"), 1 << 20)
-    try:
-        base = torch.frombuffer(seg.buffer, dtype=torch.uint8)
-        base.fill_(3)
-        seg.prefault(base.data_ptr())
-        assert bool((base == 3).all())
-        del base
-    finally:
-        seg.close()
-
-
 @pytest.mark.parametrize("name", ["x", "mpcache-w/a", "/mpcache-w-1-a"])
 def test_names_outside_our_scheme_are_refused(name: str) -> None:
     with pytest.raises(ValueError, match="not an mpcache segment name"):
