@@ -51,6 +51,7 @@ bench: venv e2e-venv
 	$(PY) bench/negotiate_bench.py
 	$(PY) bench/hash_bench.py
 	$(PY) bench/dataplane_bench.py
+	$(PY) bench/prefault_bench.py
 	$(PY) bench/connector_bench.py
 	$(PY) bench/scheduler_burst_bench.py
 	$(PY) bench/token_pack_bench.py

@@ -86,7 +86,7 @@ def test_a_registration_mapping_populates_in_the_background_until_closed(
     assert memories[0].closed and not mapping.bases
 
 
-def test_the_pool_populates_in_the_background_and_close_stops_it() -> None:
+def test_the_pool_populates_its_pages_in_the_background() -> None:
     pool = Pool.create(segment_name("pool"), SIZE, 64 << 10)
     try:
         base = torch.frombuffer(pool.segment.buffer, dtype=torch.uint8)
