@@ -3,7 +3,7 @@
 ``gather_chunk`` (a store) and ``scatter_chunk`` (a retrieve) keep only their
 direction: which blocks of each group move (``_Blocks``) and the kernel calls that
 move them. What both share is ``_ChunkCopy``: the entry's views, the streaming block
-kernel's addresses and the ``CopyPool`` lanes that run the copies. Each tensor's
+kernel's addresses and the ``CopyPool`` threads that run the copies. Each tensor's
 kernel follows from its ``TensorPlan`` (``dataplane.plans``) and its block ids:
 
 - CPU, ids in runs (as vLLM hands out fresh blocks): one numpy slice copy per run;
@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -127,7 +128,8 @@ def _time_scatter(
     try:
         for _ in range(rounds):
             for n, pool in pools.items():
-                jobs = [partial(_scatter_rows, dst, src, part) for part in np.array_split(order, n)]
+                parts = np.array_split(order, pool.pieces)
+                jobs = [partial(_scatter_rows, dst, src, part) for part in parts]
                 begin = time.perf_counter()
                 pool.run(jobs)
                 times[n].append(time.perf_counter() - begin)
@@ -143,20 +145,23 @@ def _scatter_rows(dst: np.ndarray, src: np.ndarray, rows: np.ndarray) -> int:
 
 
 class CopyPool:
-    """Threads that share one chunk's copies (its tensors split into lanes), and the
+    """Threads that share one chunk's copies (its tensors split into jobs), and the
     streaming block kernel they use for scattered blocks when there is one
     (``dataplane.blockcopy``; numpy otherwise).
 
-    ``threads`` counts the calling thread, which always takes a lane, so a copy
-    progresses even when another request holds every helper. numpy and the kernel
-    release the GIL while they move bytes, so lanes copy in parallel. Copies are
-    memory-bound: the right count depends on the machine's memory system, not its
-    core count, so the server measures it at start (``measure_copy_threads``;
-    ``--copy-threads`` overrides it). Lanes of numpy copies are used rather than
-    torch's intra-op threads, which through the server were slower than one.
-    ``run`` returns only once every lane has stopped, so a chunk that fails is never
-    written to after its caller aborts it. Owned by the server's runtime (``close``
-    at shutdown).
+    ``threads`` counts the calling thread, which always copies: the helpers take
+    jobs from the same queue (``_Jobs``) as they get a core, so a helper that waits
+    for one (the server shares its host with vLLM's busy processes) holds the chunk
+    back by at most the job it has started, never by its share of the chunk: the
+    caller copies what no helper took, and a helper that never started is cancelled.
+    numpy and the kernel release the GIL while they move bytes, so jobs copy in
+    parallel. Copies are memory-bound: the right count depends on the machine's
+    memory system, not its core count, so the server measures it at start
+    (``measure_copy_threads``; ``--copy-threads`` overrides it). Lanes of numpy
+    copies are used rather than torch's intra-op threads, which through the server
+    were slower than one. ``run`` returns only once every started job has stopped,
+    so a chunk that fails is never written to after its caller aborts it. Owned by
+    the server's runtime (``close`` at shutdown).
     """
 
     def __init__(self, threads: int = 1, kernel: BlockCopier | None = None) -> None:
@@ -168,34 +173,74 @@ class CopyPool:
             else None
         )
 
+    @property
+    def pieces(self) -> int:
+        """Jobs to split one kernel call into: enough that the caller can take a slow
+        helper's share."""
+        return 1 if self.threads == 1 else JOBS_PER_THREAD * self.threads
+
     def run(self, jobs: Sequence[Callable[[], int]]) -> int:
-        """Run ``jobs`` (each returns bytes copied) across the lanes; their sum."""
+        """Run ``jobs`` (each returns bytes copied) on the caller and the helpers that
+        get to them; their sum."""
         if self._helpers is None or len(jobs) < 2:
             return sum(job() for job in jobs)
-        lanes = [jobs[i :: self.threads] for i in range(min(self.threads, len(jobs)))]
-        futures = [self._helpers.submit(_run_lane, lane) for lane in lanes[1:]]
-        total = 0
+        queue = _Jobs(jobs)
+        helpers = min(self.threads, len(jobs)) - 1
+        futures = [self._helpers.submit(queue.drain) for _ in range(helpers)]
         error: BaseException | None = None
         try:
-            total += _run_lane(lanes[0])
+            queue.drain()
         except BaseException as exc:
             error = exc
-        for future in futures:  # every lane stops before the caller sees the outcome
+        for future in futures:  # every started job stops before the caller sees the outcome
+            if future.cancel():
+                continue
             try:
-                total += future.result()
+                future.result()
             except BaseException as exc:
                 error = error or exc
         if error is not None:
             raise error
-        return total
+        return queue.total
 
     def close(self) -> None:
         if self._helpers is not None:
             self._helpers.shutdown(wait=True)
 
 
-def _run_lane(jobs: Sequence[Callable[[], int]]) -> int:
-    return sum(job() for job in jobs)
+JOBS_PER_THREAD = 4
+"""A kernel call is split into this many jobs per copy thread (``CopyPool.pieces``)."""
+
+
+class _Jobs:
+    """One ``CopyPool.run``'s jobs, taken one at a time by whichever thread is free;
+    after a job fails, none is started."""
+
+    def __init__(self, jobs: Sequence[Callable[[], int]]) -> None:
+        self._jobs = jobs
+        self._next = 0
+        self._failed = False
+        self._lock = threading.Lock()
+        self.total = 0
+
+    def _take(self) -> Callable[[], int] | None:
+        with self._lock:
+            if self._failed or self._next >= len(self._jobs):
+                return None
+            job = self._jobs[self._next]
+            self._next += 1
+            return job
+
+    def drain(self) -> None:
+        while (job := self._take()) is not None:
+            try:
+                copied = job()
+            except BaseException:
+                with self._lock:
+                    self._failed = True
+                raise
+            with self._lock:
+                self.total += copied
 
 
 _SERIAL = CopyPool(1)
@@ -256,7 +301,7 @@ def _non_null_slots(group: int, ids: np.ndarray) -> _Blocks:
 
 StreamKey = tuple[int, int, int]
 """(group, block stride in the tensor, block bytes): plans that share it move their
-blocks with one kernel call per lane (``_stream_jobs``)."""
+blocks with one kernel call per job (``_stream_jobs``)."""
 
 
 class _ChunkCopy:
@@ -267,10 +312,10 @@ class _ChunkCopy:
     - ``stream``: tensors whose scattered blocks the streaming kernel moves wait
       for ``run``, which works out every such tensor's block addresses in one numpy
       expression from the row addresses their plans keep, then makes one kernel call
-      per lane (per tensor, working out the addresses had cost as much as moving its
-      blocks, and held the GIL the other lanes needed);
+      per job (per tensor, working out the addresses had cost as much as moving its
+      blocks, and held the GIL the other threads needed);
     - ``jobs``: the direction's numpy copies, one per tensor, which ``run`` splits
-      across the ``CopyPool``'s lanes with the kernel's;
+      across the ``CopyPool``'s threads with the kernel's;
     - ``region_array``, ``region_tensor``, ``index``: the entry and the block ids as
       each kernel takes them, made once per chunk.
     """
@@ -367,12 +412,12 @@ class _ChunkCopy:
 
     def run(self, *, store: bool) -> int:
         """Run the jobs and the streamed blocks (into the entry if ``store``, out of
-        it otherwise) across the lanes; the bytes they copied."""
+        it otherwise) on the ``CopyPool``; the bytes they copied."""
         kernel = self.pool.kernel
         for key, (blocks, plans) in self._streams.items():
             assert kernel is not None
             self.jobs += _stream_jobs(
-                key, plans, kernel, self.entry_bytes, blocks, self.pool.threads, store=store
+                key, plans, kernel, self.entry_bytes, blocks, self.pool.pieces, store=store
             )
         return self.pool.run(self.jobs)
 
@@ -383,12 +428,12 @@ def _stream_jobs(
     kernel: BlockCopier,
     entry: torch.Tensor,
     blocks: _Blocks,
-    lanes: int,
+    pieces: int,
     *,
     store: bool,
 ) -> list[Callable[[], int]]:
     """Jobs moving ``blocks`` between every plan's tensor and its region of
-    ``entry``, the rows of all plans split across ``lanes``."""
+    ``entry``, the rows of all plans split into ``pieces``."""
     _, block_stride, block_bytes = key
     slots = blocks.slot_array()
     _check_stream(plans, entry, blocks.ids, slots, store=store)
@@ -397,7 +442,7 @@ def _stream_jobs(
     tensor_side = rows[:, None] + blocks.ids[None, :] * block_stride
     entry_side = (entry.data_ptr() + region_rows)[:, None] + slots[None, :] * block_bytes
     src, dst = (tensor_side, entry_side) if store else (entry_side, tensor_side)
-    bounds = np.linspace(0, len(rows), max(1, min(lanes, len(rows))) + 1).astype(int)
+    bounds = np.linspace(0, len(rows), max(1, min(pieces, len(rows))) + 1).astype(int)
     return [
         partial(_stream_rows, kernel, src[a:b], dst[a:b], block_bytes)
         for a, b in itertools.pairwise(bounds.tolist())
@@ -451,7 +496,7 @@ def gather_chunk(
 ) -> int:
     """Copy one chunk's blocks (``group_ids[g]``, nulls read block 0) into an entry.
 
-    Returns the bytes copied. CPU tensors are split across ``pool``'s lanes; CUDA
+    Returns the bytes copied. CPU tensors are split across ``pool``'s threads; CUDA
     copies run on the current stream, synchronised (that stream only) before
     returning, or, with ``wait`` False, only queued there: the caller waits for them
     (``dataplane.device_path.CopyWindow``) before the entry counts as written.
@@ -519,7 +564,7 @@ def scatter_chunk(
 ) -> int:
     """Copy an entry's blocks into the non-null blocks of ``group_ids``.
 
-    Returns the bytes written. CPU tensors are split across ``pool``'s lanes; CUDA
+    Returns the bytes written. CPU tensors are split across ``pool``'s threads; CUDA
     copies run on the current stream, synchronised (that stream only) before
     returning, or only queued there with ``wait`` False (as ``gather_chunk``: the
     entry stays pinned until the caller has waited).

@@ -103,35 +103,74 @@ def test_block_runs(
     assert block_runs(np.array(slots, dtype=np.int64), np.array(ids, dtype=np.int64)) == runs
 
 
-def test_copy_pool_lanes_all_finish_before_an_error_is_raised() -> None:
-    """A chunk whose copy fails is aborted by its caller: no lane may still be
-    writing into the entry by then."""
+def test_after_a_copy_job_fails_none_starts_and_every_started_one_ends_first() -> None:
+    """A chunk whose copy fails is aborted by its caller: no thread may still be
+    writing into the entry by then, nor start writing afterwards."""
     import threading
     import time
 
     from dataplane.transfer import CopyPool
 
     pool = CopyPool(3)
-    finished: list[int] = []
+    started: set[int] = set()
+    finished: set[int] = set()
     lock = threading.Lock()
 
     def job(i: int) -> int:
+        with lock:
+            started.add(i)
         if i == 0:
-            raise RuntimeError("lane 0 failed")
+            time.sleep(0.01)  # the helpers have started theirs
+            raise RuntimeError("job 0 failed")
         time.sleep(0.05)
         with lock:
-            finished.append(i)
+            finished.add(i)
         return i
 
     try:
-        jobs = [lambda i=i: job(i) for i in range(6)]  # type: ignore[misc]
-        with pytest.raises(RuntimeError, match="lane 0 failed"):
+        jobs = [lambda i=i: job(i) for i in range(8)]  # type: ignore[misc]
+        with pytest.raises(RuntimeError, match="job 0 failed"):
             pool.run(jobs)
-        # Lane 0 (the caller) stops at job 0; lanes 1 and 2 run all of theirs.
-        assert sorted(finished) == [1, 2, 4, 5]
+        with lock:
+            at_raise = set(finished), set(started)
+        time.sleep(0.1)
+        assert at_raise[0] == at_raise[1] - {0}  # every started job had ended
+        assert started == at_raise[1]  # and none started after
+        assert len(started) < len(jobs)
         assert pool.run([lambda: 1, lambda: 2, lambda: 3]) == 6
     finally:
         pool.close()
+
+
+def test_a_busy_helper_never_holds_a_copy_back() -> None:
+    """The caller copies every job no helper took: a helper that cannot start (here:
+    busy with another request's copy; on a loaded host: waiting for a core) does
+    not delay the chunk."""
+    import threading
+
+    from dataplane.transfer import CopyPool
+
+    pool = CopyPool(2)
+    release = threading.Event()
+    released: list[bool] = []
+    both_blocked = threading.Barrier(3, timeout=10)
+
+    def blocker() -> int:
+        both_blocked.wait()
+        released.append(release.wait(5))
+        return 0
+
+    other = threading.Thread(target=pool.run, args=([blocker, blocker],))
+    other.start()
+    try:
+        both_blocked.wait()  # the other request holds the caller and the one helper
+        assert pool.run([lambda i=i: i for i in range(8)]) == 28  # type: ignore[misc]
+        assert released == []  # returned while the helper was still busy
+    finally:
+        release.set()
+        other.join(10)
+        pool.close()
+    assert released == [True, True]
 
 
 @pytest.mark.parametrize("kernel", ["numpy", "streaming"])
