@@ -144,6 +144,41 @@ def _scatter_rows(dst: np.ndarray, src: np.ndarray, rows: np.ndarray) -> int:
     return int(rows.size) * int(src.shape[1]) * int(src.itemsize)
 
 
+JOBS_PER_THREAD = 4
+"""A kernel call is split into this many jobs per copy thread (``CopyPool.pieces``)."""
+
+
+class _Jobs:
+    """One ``CopyPool.run``'s jobs, taken one at a time by whichever thread is free;
+    after a job fails, none is started."""
+
+    def __init__(self, jobs: Sequence[Callable[[], int]]) -> None:
+        self._jobs = jobs
+        self._next = 0
+        self._failed = False
+        self._lock = threading.Lock()
+
+    def _take(self) -> Callable[[], int] | None:
+        with self._lock:
+            if self._failed or self._next >= len(self._jobs):
+                return None
+            job = self._jobs[self._next]
+            self._next += 1
+            return job
+
+    def drain(self) -> int:
+        """Run jobs until none is left (or one failed); the bytes this thread copied."""
+        copied = 0
+        while (job := self._take()) is not None:
+            try:
+                copied += job()
+            except BaseException:
+                with self._lock:
+                    self._failed = True
+                raise
+        return copied
+
+
 class CopyPool:
     """Threads that share one chunk's copies (its tensors split into jobs), and the
     streaming block kernel they use for scattered blocks when there is one
@@ -157,7 +192,7 @@ class CopyPool:
     numpy and the kernel release the GIL while they move bytes, so jobs copy in
     parallel. Copies are memory-bound: the right count depends on the machine's
     memory system, not its core count, so the server measures it at start
-    (``measure_copy_threads``; ``--copy-threads`` overrides it). Lanes of numpy
+    (``measure_copy_threads``; ``--copy-threads`` overrides it). Threads of numpy
     copies are used rather than torch's intra-op threads, which through the server
     were slower than one. ``run`` returns only once every started job has stopped,
     so a chunk that fails is never written to after its caller aborts it. Owned by
@@ -187,60 +222,26 @@ class CopyPool:
         queue = _Jobs(jobs)
         helpers = min(self.threads, len(jobs)) - 1
         futures = [self._helpers.submit(queue.drain) for _ in range(helpers)]
+        total = 0
         error: BaseException | None = None
         try:
-            queue.drain()
+            total += queue.drain()
         except BaseException as exc:
             error = exc
         for future in futures:  # every started job stops before the caller sees the outcome
             if future.cancel():
                 continue
             try:
-                future.result()
+                total += future.result()
             except BaseException as exc:
                 error = error or exc
         if error is not None:
             raise error
-        return queue.total
+        return total
 
     def close(self) -> None:
         if self._helpers is not None:
             self._helpers.shutdown(wait=True)
-
-
-JOBS_PER_THREAD = 4
-"""A kernel call is split into this many jobs per copy thread (``CopyPool.pieces``)."""
-
-
-class _Jobs:
-    """One ``CopyPool.run``'s jobs, taken one at a time by whichever thread is free;
-    after a job fails, none is started."""
-
-    def __init__(self, jobs: Sequence[Callable[[], int]]) -> None:
-        self._jobs = jobs
-        self._next = 0
-        self._failed = False
-        self._lock = threading.Lock()
-        self.total = 0
-
-    def _take(self) -> Callable[[], int] | None:
-        with self._lock:
-            if self._failed or self._next >= len(self._jobs):
-                return None
-            job = self._jobs[self._next]
-            self._next += 1
-            return job
-
-    def drain(self) -> None:
-        while (job := self._take()) is not None:
-            try:
-                copied = job()
-            except BaseException:
-                with self._lock:
-                    self._failed = True
-                raise
-            with self._lock:
-                self.total += copied
 
 
 _SERIAL = CopyPool(1)
