@@ -60,6 +60,7 @@ bench: venv e2e-venv
 	$(PY) bench/l2_bench.py
 	$(PY) bench/disk_bench.py
 	$(PY) bench/client_call_bench.py
+	$(PY) bench/transfer_call_bench.py
 	$(PY) bench/ttft_bench.py
 	$(PY) bench/step_bench.py
 

@@ -30,9 +30,13 @@ __all__ = [
     "PROBLEM_MEDIA_TYPE",
     "BriefValidationError",
     "brief_errors",
+    "domain_problem",
     "install_error_handlers",
+    "problem_body",
     "problem_doc",
     "problem_response",
+    "unexpected_problem",
+    "validation_problem",
 ]
 
 logger = logging.getLogger(__name__)
@@ -91,6 +95,17 @@ def problem_doc(description: str) -> dict[str, Any]:
     return {"model": Problem, "content": {PROBLEM_MEDIA_TYPE: {}}, "description": description}
 
 
+def problem_body(status: int, title: str, slug: str, detail: str, **extras: Any) -> dict[str, Any]:
+    """The problem-style body every error reply carries, over HTTP or the ops socket."""
+    return {
+        "type": f"urn:mpcache:problem:{slug}",
+        "title": title,
+        "status": status,
+        "detail": _cut(detail, MAX_DETAIL_CHARS),
+        **{k: _cut(v, MAX_DETAIL_CHARS) if isinstance(v, str) else v for k, v in extras.items()},
+    }
+
+
 def problem_response(
     status: int,
     title: str,
@@ -99,30 +114,38 @@ def problem_response(
     headers: dict[str, str] | None = None,
     **extras: Any,
 ) -> JSONResponse:
-    body = {
-        "type": f"urn:mpcache:problem:{slug}",
-        "title": title,
-        "status": status,
-        "detail": _cut(detail, MAX_DETAIL_CHARS),
-        **{k: _cut(v, MAX_DETAIL_CHARS) if isinstance(v, str) else v for k, v in extras.items()},
-    }
+    body = problem_body(status, title, slug, detail, **extras)
     return JSONResponse(body, status_code=status, headers=headers, media_type=PROBLEM_MEDIA_TYPE)
 
 
-def _describe_validation(exc: RequestValidationError) -> tuple[str, list[dict[str, Any]], int]:
-    """``(detail, errors, count)`` of a validation failure, its first few errors only."""
-    found = exc.errors()
-    count = exc.count if isinstance(exc, BriefValidationError) else len(found)
-    errors = brief_errors(
-        [
-            {**err, "loc": [p for p in err.get("loc", ()) if p != "body"]}
-            for err in found[:MAX_REPORTED_ERRORS]
-        ]
+def domain_problem(exc: MPCacheError) -> dict[str, Any]:
+    """The body of ``exc``'s reply; an internal error is logged with its traceback."""
+    if exc.status >= 500 and not isinstance(exc, Unavailable):
+        logger.error("internal error: %s", exc.detail, exc_info=exc)
+    return problem_body(exc.status, exc.title, exc.slug, exc.detail, **exc.extras)
+
+
+def validation_problem(errors: Sequence[Mapping[str, Any]], count: int) -> dict[str, Any]:
+    """The 422 body of a validation failure with ``count`` errors, ``errors`` the first
+    of them (locations without FastAPI's leading ``body``)."""
+    brief = brief_errors(
+        [{**err, "loc": [p for p in err.get("loc", ()) if p != "body"]} for err in errors]
     )
-    parts = [f"{'.'.join(err['loc']) or 'body'}: {err['msg']}" for err in errors]
-    if count > len(errors):
-        parts.append(f"and {count - len(errors)} more error(s)")
-    return "; ".join(parts) or "the request body is not valid", errors, count
+    parts = [f"{'.'.join(err['loc']) or 'body'}: {err['msg']}" for err in brief]
+    if count > len(brief):
+        parts.append(f"and {count - len(brief)} more error(s)")
+    detail = "; ".join(parts) or "the request body is not valid"
+    return problem_body(
+        422, "Malformed request", "malformed-request", detail, errors=brief, error_count=count
+    )
+
+
+def unexpected_problem(exc: BaseException) -> dict[str, Any]:
+    """The 500 body of an error no handler expected; logged with its traceback."""
+    logger.exception("unhandled error", exc_info=exc)
+    return problem_body(
+        500, "Internal server error", "internal", "unexpected server error; see server log"
+    )
 
 
 def _allowed_methods(request: Request) -> list[str]:
@@ -138,24 +161,25 @@ def _allowed_methods(request: Request) -> list[str]:
     return sorted(methods)
 
 
+def _json(body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(
+        body, status_code=body["status"], headers=headers, media_type=PROBLEM_MEDIA_TYPE
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map every error the app can raise to one problem-style body."""
     repeats = RepeatedWarning(logger)
 
     async def on_domain(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, MPCacheError)
-        if exc.status >= 500 and not isinstance(exc, Unavailable):
-            logger.error("internal error: %s", exc.detail, exc_info=exc)
-        return problem_response(
-            exc.status, exc.title, exc.slug, exc.detail, exc.headers(), **exc.extras
-        )
+        return _json(domain_problem(exc), exc.headers())
 
     async def on_validation(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        detail, errors, count = _describe_validation(exc)
-        return problem_response(
-            422, "Malformed request", "malformed-request", detail, errors=errors, error_count=count
-        )
+        found = exc.errors()
+        count = exc.count if isinstance(exc, BriefValidationError) else len(found)
+        return _json(validation_problem(found[:MAX_REPORTED_ERRORS], count))
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
@@ -195,10 +219,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error", exc_info=exc)
-        return problem_response(
-            500, "Internal server error", "internal", "unexpected server error; see server log"
-        )
+        return _json(unexpected_problem(exc))
 
     app.add_exception_handler(MPCacheError, on_domain)
     app.add_exception_handler(RequestValidationError, on_validation)

@@ -300,7 +300,8 @@ class Settings(BaseSettings):
         None,
         description="Unix socket where workers pass their sealed KV-cache memfds (mode "
         "0600); unset: register.sock in a new private directory under $XDG_RUNTIME_DIR "
-        "or /tmp. GET /register tells the connector where it is.",
+        "or /tmp. GET /register tells the connector where it is. The ops socket (store "
+        "and retrieve without HTTP) is made beside it: register.sock -> register.ops.sock.",
     )
     address_file: Path | None = Field(
         None,

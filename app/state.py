@@ -36,6 +36,7 @@ from app.kv_events import BlockLedger, BlockPublisher, EventRecorder, ZmqSink
 from app.l2 import L2Tier
 from app.lookup_areas import LookupAreas
 from app.negotiation import NegotiationPolicy
+from app.ops_socket import OpsSocket
 from app.redis_io import RedisUnavailable, connect, ping, redacted
 from app.redis_wire import Wires, wire_params
 from app.service import CacheService
@@ -48,7 +49,7 @@ from contract.schemas import ClusterHealth, ClusterMember, ClusterResponse
 from contract.shm_naming import segment_name
 from dataplane import blockcopy, key_index
 from dataplane.device_path import DevicePath, PoolPinning
-from dataplane.fdgate import FdGate, default_socket_path
+from dataplane.fdgate import FdGate, default_socket_path, ops_socket_path
 from dataplane.pool import Pool
 from dataplane.registry import Registry
 from dataplane.segments import sweep_stale_segments
@@ -90,6 +91,8 @@ class Runtime:
     cache: CacheService
     copier: CopyPool
     gate: FdGate
+    ops: OpsSocket
+    """Store and retrieve for this host's workers, without HTTP (``app.ops_socket``)."""
     lookup_areas: LookupAreas
     device: DevicePath
     """The GPU path: the pool pinned for DMA, the server's CUDA streams."""
@@ -170,6 +173,7 @@ class Runtime:
         if running:
             logger.warning("%d store/retrieve call(s) still copying at shutdown", running)
         try:
+            self.ops.close()
             self.gate.close()
             self.parser.close()
             if self.l2 is not None:
@@ -514,6 +518,7 @@ def _assemble(
         owns_directory=settings.register_socket is None,
     )
     areas = LookupAreas(gate)
+    ops: OpsSocket | None = None
     try:
         index = _key_index(
             settings, pool, hasher, boot_id, authoritative=l2 is None and disk is None
@@ -535,6 +540,14 @@ def _assemble(
             disk=disk,
             device=device,
         )
+        ops = OpsSocket(
+            ops_socket_path(socket_path),
+            cache,
+            boot_id=boot_id,
+            max_body_bytes=int(settings.max_body_size),
+            api_token=settings.api_token,
+        )
+        ops.start()
         if settings.pool_prefault:
             pool.start_prefault()
         events, mirror = _events(settings, coordinator, pool, telemetry, boot_id)
@@ -571,6 +584,7 @@ def _assemble(
             cache=cache,
             copier=copier,
             gate=gate,
+            ops=ops,
             lookup_areas=areas,
             device=device,
             events=events,
@@ -584,6 +598,8 @@ def _assemble(
             key_chain=chain_note,
         )
     except BaseException:
+        if ops is not None:
+            ops.close()
         gate.close()
         copier.close()
         if index is not None:

@@ -9,13 +9,14 @@ take an injectable transport (``httpx.MockTransport``, ``httpx.ASGITransport``, 
 so tests need no sockets.
 
 Every request body is a ``contract.schemas`` model and every reply is validated into
-the entry's reply model. httpx errors and non-2xx replies are translated into
-``connector.errors`` in exactly one place, ``_translate`` plus ``_parse_reply``;
-nothing else in the connector catches httpx exceptions.
+the entry's reply model. httpx errors are translated into ``connector.errors`` in exactly one place,
+``_translate``, and non-2xx replies of any transport in ``reply_or_raise``; nothing
+else in the connector catches httpx exceptions.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, cast, overload
@@ -55,12 +56,20 @@ from contract.schemas import (
     StoreResponse,
 )
 
-__all__ = ["AsyncControlClient", "ControlClient", "TransportFactory"]
+__all__ = [
+    "AsyncControlClient",
+    "ControlClient",
+    "TransportFactory",
+    "problem_of",
+    "reply_or_raise",
+    "retry_after_s",
+]
 
 TransportFactory = Callable[[str], "httpx.BaseTransport | None"]
 """Per server URL, the transport its blocking client uses (tests inject fakes)."""
 
 _R = TypeVar("_R", bound=BaseModel | None)
+_M = TypeVar("_M", bound=BaseModel)
 _P = ParamSpec("_P")
 
 _HEADERS = {"content-type": "application/json", "accept": "application/json"}
@@ -89,8 +98,8 @@ class _translate:  # a lower-case name: used as ``with _translate(url):``, like 
             raise ServerUnreachable(f"{url}: {type(exc).__name__}: {exc}", url=url) from exc
 
 
-def _retry_after(reply: httpx.Response) -> float | None:
-    value = reply.headers.get("retry-after")
+def retry_after_s(value: str | None) -> float | None:
+    """A ``Retry-After`` value in seconds, or None when absent or not a number."""
     if value is None:
         return None
     try:
@@ -99,37 +108,60 @@ def _retry_after(reply: httpx.Response) -> float | None:
         return None
 
 
-def _problem(reply: httpx.Response) -> dict[str, Any]:
+def problem_of(content: bytes, fallback: str) -> dict[str, Any]:
+    """An error reply's problem body (``{"detail": ...}`` around anything else)."""
     try:
-        body = reply.json()
+        body = json.loads(content)
     except ValueError:
-        return {"detail": reply.text[:500]}
+        return {"detail": content[:500].decode(errors="replace") or fallback}
     return body if isinstance(body, dict) else {"detail": str(body)[:500]}
 
 
-def _parse_reply(reply: httpx.Response, endpoint: Endpoint[Any, _R], url: str) -> _R:
-    """The reply validated into the entry's reply model (``None`` where it has none),
-    or the connector error its status means."""
-    status = reply.status_code
+def reply_or_raise(
+    status: int,
+    content: bytes,
+    model: type[_M] | None,
+    url: str,
+    *,
+    reason: str = "",
+    retry_after: str | None = None,
+) -> _M | None:
+    """A reply of ``status`` validated into ``model`` (None where it has none), or the
+    connector error the status means: the one translation of every transport's
+    replies (HTTP here, the ops socket in ``connector.transfer_calls``)."""
     if 200 <= status < 300:
-        # An entry's ``Resp`` is its reply model's type: the one place that is assumed.
-        model = cast("type[BaseModel] | None", endpoint.response)
         try:
-            return cast(_R, None if model is None else model.model_validate_json(reply.content))
+            return None if model is None else model.model_validate_json(content)
         except ValidationError as exc:
             assert model is not None
             raise ProtocolError(
                 f"{url}: reply does not match {model.__name__}: {exc.error_count()} error(s)",
                 url=url,
             ) from exc
-    problem = _problem(reply)
-    detail = problem.get("detail") or problem.get("title") or reply.reason_phrase
+    problem = problem_of(content, reason)
+    detail = problem.get("detail") or problem.get("title") or reason
     message = f"{url}: HTTP {status}: {detail}"
     if 400 <= status < 500:
         raise ServerRejected(message, url=url, status=status, problem=problem)
     raise ServerFailure(
-        message, url=url, status=status, problem=problem, retry_after_s=_retry_after(reply)
+        message, url=url, status=status, problem=problem, retry_after_s=retry_after_s(retry_after)
     )
+
+
+def _parse_reply(reply: httpx.Response, endpoint: Endpoint[Any, _R], url: str) -> _R:
+    """The reply validated into the entry's reply model (``None`` where it has none),
+    or the connector error its status means."""
+    # An entry's ``Resp`` is its reply model's type: the one place that is assumed.
+    model = cast("type[BaseModel] | None", endpoint.response)
+    parsed = reply_or_raise(
+        reply.status_code,
+        reply.content,
+        model,
+        url,
+        reason=reply.reason_phrase,
+        retry_after=reply.headers.get("retry-after"),
+    )
+    return cast(_R, parsed)
 
 
 Body = BaseModel | bytes | Iterable[bytes] | None

@@ -135,6 +135,9 @@ class ConnectorConfig(BaseModel):
     ``mpcache.key_index``               with one server on this      ``true``
                                         host, answer lookups from its
                                         key index, without a call
+    ``mpcache.ops_socket``              store and retrieve over the  ``true``
+                                        server's ops socket (same
+                                        host), HTTP where it cannot
     ``mpcache.instance_id``             identity shared by the       vLLM's ``engine_id``
                                         scheduler and its workers
     ``mpcache.api_token``               the server's                 unset
@@ -174,6 +177,9 @@ class ConnectorConfig(BaseModel):
     key_index: bool = Field(True, validation_alias=AliasChoices("mpcache.key_index"))
     """With one server on this host: answer lookups on vLLM's thread from the server's
     key index (``connector.key_index``), asking the server only what it cannot say."""
+    ops_socket: bool = Field(True, validation_alias=AliasChoices("mpcache.ops_socket"))
+    """Send a worker's store and retrieve calls over its server's ops socket
+    (``connector.transfer_calls``) where it can reach it, over HTTP where it cannot."""
 
 
 class _HostPort(BaseModel):

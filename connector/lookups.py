@@ -170,6 +170,22 @@ class Lookups:
         st.local_tokens = num_computed_tokens
         return st.hit_tokens
 
+    def indexed(self, request: Any, tokens: int) -> bool:
+        """Whether the server's key index shows the cache holding ``request``'s first
+        ``tokens`` tokens (all but its last prompt token at most): a probe on vLLM's
+        thread that neither calls the server nor sets the request's lookup memo.
+        False where the index cannot say."""
+        end = min(tokens, (len(request.all_token_ids) - 1) // self._unit * self._unit)
+        if end <= 0:
+            return False
+        st = self._requests.state(request)
+        hit = self._sender.index.answer(
+            lambda: st.encoder.packed(request.all_token_ids, end),
+            end,
+            wire_salt(getattr(request, "cache_salt", None)),
+        )
+        return hit is not None and hit >= end
+
     def _indexed(self, st: RequestState, lookup_end: int, now: float) -> int | None:
         """The answer of the server's key index, when it has one (``IndexSlot``): at
         once, in the step vLLM first asks. A lookup already in flight is abandoned."""

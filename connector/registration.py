@@ -117,6 +117,8 @@ class KVRegistration:
         """The registration to send, with placeholder tickets (``_with_tickets``)."""
         self.registered = False
         self.token = secrets.token_urlsafe(32)
+        self.ops_path: str | None = None
+        """The ops socket the latest registration's server named (None: none)."""
         self.segments: list[MemfdKVSegment] = []
         self.channel = RegistrationChannel(timeout_s)
         self.uses_cuda = False
@@ -198,9 +200,11 @@ class KVRegistration:
         """One registration: memfds over the socket, then ``POST /register``
         (``SegmentError``, ``ServerError`` when it fails)."""
         client = self._link.client
-        tickets = self._tickets(client.registration_info().socket_path)
+        info = client.registration_info()
+        tickets = self._tickets(info.socket_path)
         reply = client.register(self._with_tickets(tickets), registration_token=self.token)
         self.token = reply.registration_token
+        self.ops_path = info.ops_socket_path
         self.registered = True
         return reply
 
@@ -213,6 +217,7 @@ class KVRegistration:
             self._with_tickets(tickets), registration_token=self.token
         )
         self.token = registered.registration_token
+        self.ops_path = info.ops_socket_path
         self.registered = True
 
     def unregister(self) -> None:

@@ -52,22 +52,25 @@ class _Landing:
     A prompt that starts like one of them (the same prompt again, a chat's next turn)
     is asked about again next step instead of now, so its lookup sees the chunks
     those stores bring rather than miss them by a few milliseconds: until the stores
-    are done (``landed``) or, should a report never come, ``bound_s`` has passed.
+    are done (``landed``), the server's key index shows what they store (the adapter
+    asks it, with ``awaited_by``'s answer), or, should a report never come,
+    ``bound_s`` has passed.
     """
 
     def __init__(self, chunk_size: int, bound_s: float, clock: Callable[[], float]) -> None:
         self._chunk_size = chunk_size
         self._bound_s = bound_s
         self._clock = clock
-        self._prefix: dict[str, tuple[tuple[int, ...], float]] = {}  # id: (chunk, deadline)
+        # id: (first chunk, deadline, tokens its stores hold from 0 once landed)
+        self._prefix: dict[str, tuple[tuple[int, ...], float, int]] = {}
         self._waiting: dict[tuple[int, ...], set[str]] = {}  # first chunk: ids
 
-    def add(self, request: Any) -> None:
+    def add(self, request: Any, stored_upto: int) -> None:
         tokens = request.all_token_ids
         if len(tokens) < self._chunk_size:
             return
         first = tuple(tokens[: self._chunk_size])
-        self._prefix[request.request_id] = (first, self._clock() + self._bound_s)
+        self._prefix[request.request_id] = (first, self._clock() + self._bound_s, stored_upto)
         self._waiting.setdefault(first, set()).add(request.request_id)
 
     def landed(self, request_ids: Iterable[str]) -> None:
@@ -80,20 +83,21 @@ class _Landing:
             if not ids:
                 del self._waiting[entry[0]]
 
-    def awaited_by(self, request: Any) -> bool:
-        """Whether ``request`` should wait a step for stores that may serve it."""
+    def awaited_by(self, request: Any) -> int:
+        """0 when ``request`` need not wait for stores that may serve it; else the most
+        tokens from 0 those stores hold once landed."""
         if not self._waiting:
-            return False
+            return 0
         tokens = request.all_token_ids
         if len(tokens) <= self._chunk_size:
-            return False
+            return 0
         ids = self._waiting.get(tuple(tokens[: self._chunk_size]))
         if not ids:
-            return False
+            return 0
         now = self._clock()
         late = [rid for rid in ids if self._prefix[rid][1] <= now]
         self.landed(late)
-        return len(late) < len(ids)
+        return max((self._prefix[rid][2] for rid in ids), default=0)
 
 
 class SchedulerAdapter:
@@ -210,9 +214,10 @@ class SchedulerAdapter:
         ``lookup_max_age_s`` old: that renews the server's lease on the hit chunks
         and refreshes the hit count. Never blocks: see ``connector.lookups.Lookups``.
         """
-        if self._landing.awaited_by(request):
-            return None, False
         lookups = self._lookups
+        landing = self._landing.awaited_by(request)
+        if landing and not lookups.indexed(request, landing):
+            return None, False
         if lookups.in_flight(request, num_computed_tokens):
             return None, False
         hit = lookups.hit_tokens(request, num_computed_tokens)
@@ -276,7 +281,7 @@ class SchedulerAdapter:
             self._lookups.finished(st)
         self._planner.forget(request_id)
         if request_id in self._storing:
-            self._landing.add(request)
+            self._landing.add(request, st.stored_upto if st is not None else 0)
             return True, None
         self._ended.append(request_id)
         return False, None

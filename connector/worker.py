@@ -5,9 +5,11 @@ Runs in each vLLM worker process. At start it negotiates with its own server
 ``register_kv_caches`` shares the KV cache with that server
 (``connector.registration``).
 
-No step waits for the cache. Each step hands at most one ``/cache/retrieve``
-(``start_load_kv``) and one ``/cache/store`` (``wait_for_save``) call, batching
-every request of the step, to a lane of its own (``connector.lanes``) and returns.
+No step waits for the cache. Each step hands at most one retrieve
+(``start_load_kv``) and one store (``wait_for_save``) call, batching every request
+of the step, to a lane of its own (``connector.lanes``) and returns. The calls go
+over the server's ops socket where the worker can reach it, else over HTTP
+(``connector.transfer_calls``).
 Loads follow vLLM's async-load protocol: a load is reported finished in the step
 its call returns, or a later one; a failed one is reported with it, through
 ``take_load_errors`` (single-group layouts: the exact blocks) or
@@ -48,6 +50,7 @@ from connector.servers import (
     server_for_rank,
 )
 from connector.shm import MemfdKVSegment
+from connector.transfer_calls import TransferCalls
 from contract.schemas import NegotiateRequest, RegisterRequest, RetrieveRequest, StoreRequest
 from contract.wire_text import wire_text
 
@@ -157,6 +160,14 @@ class WorkerAdapter:
             timeout_s=config.request_timeout_s,
         )
         self._device_order = DeviceOrder(self._registration)
+        registration = self._registration
+        self._transfers = TransferCalls(
+            self.link.client,
+            ops_path=lambda: registration.ops_path,
+            boot_id=lambda: self.link.boot_id,
+            enabled=config.ops_socket,
+            api_token=config.api_token,
+        )
         self._load_ledger = LoadLedger()
         self._store_ledger = StoreLedger()
         self._load_lane = Lane(f"mpcache-load-{rank}", max_queued=MAX_QUEUED_LOADS)
@@ -339,7 +350,7 @@ class WorkerAdapter:
 
     def _load(self, loads: Sequence[TransferOp], body: RetrieveRequest, out: LoadOutcome) -> None:
         try:
-            reply = self.link.client.retrieve(
+            reply = self._transfers.retrieve(
                 body,
                 timeout_s=self.config.request_timeout_s,
                 registration_token=self.registration_token,
@@ -434,7 +445,7 @@ class WorkerAdapter:
 
     def _store(self, body: StoreRequest) -> None:
         try:
-            reply = self.link.client.store(
+            reply = self._transfers.store(
                 body,
                 timeout_s=self.config.request_timeout_s,
                 registration_token=self.registration_token,
@@ -483,4 +494,5 @@ class WorkerAdapter:
         if self.link.healthy:
             self.unregister()
         self._registration.close()
+        self._transfers.close()
         self.link.client.close()

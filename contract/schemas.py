@@ -694,6 +694,7 @@ class RegistrationInfo(_Reply):
                     "socket_path": "/run/user/1000/mpcache-8733-k2f9/register.sock",
                     "max_fds_per_handshake": 64,
                     "max_tickets_per_connection": 128,
+                    "ops_socket_path": "/run/user/1000/mpcache-8733-k2f9/register.ops.sock",
                 }
             ]
         },
@@ -705,6 +706,12 @@ class RegistrationInfo(_Reply):
     )
     max_fds_per_handshake: int
     max_tickets_per_connection: int
+    ops_socket_path: str | None = Field(
+        default=None,
+        description="Unix socket that serves store and retrieve for workers on this "
+        "host without HTTP (frames: contract/ops_frames.py); same bodies, replies and "
+        "problems as `POST /cache/store` and `POST /cache/retrieve`.",
+    )
 
 
 # ----------------------------------------------------------------- cache operations

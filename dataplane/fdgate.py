@@ -46,6 +46,7 @@ __all__ = [
     "SealedMemory",
     "default_socket_path",
     "map_sealed",
+    "ops_socket_path",
     "sweep_stale_socket_dirs",
 ]
 
@@ -199,6 +200,12 @@ class _Conn:
     tickets: set[str] = field(default_factory=set)
 
 
+def ops_socket_path(register_socket: Path) -> Path:
+    """The ops socket (``app.ops_socket``) beside ``register_socket``: ``register.sock``
+    -> ``register.ops.sock``, in the same directory."""
+    return register_socket.with_name(f"{register_socket.stem}.ops{register_socket.suffix}")
+
+
 def default_socket_path(port: int) -> Path:
     """A socket in a new private directory (mode 0700) under $XDG_RUNTIME_DIR or /tmp.
 
@@ -222,6 +229,7 @@ def sweep_stale_socket_dirs(base: Path, *, min_age_s: float = 60.0) -> list[Path
         candidates = sorted(base.glob("mpcache-*"))
     except OSError:
         return []
+    ours = {_SOCKET_NAME, ops_socket_path(Path(_SOCKET_NAME)).name}
     for folder in candidates:
         sock_path = folder / _SOCKET_NAME
         try:
@@ -229,7 +237,8 @@ def sweep_stale_socket_dirs(base: Path, *, min_age_s: float = 60.0) -> list[Path
             if (
                 not stat.S_ISDIR(info.st_mode)
                 or info.st_uid != os.geteuid()
-                or os.listdir(folder) != [_SOCKET_NAME]
+                or _SOCKET_NAME not in (names := os.listdir(folder))
+                or not set(names) <= ours
                 or not stat.S_ISSOCK(os.lstat(sock_path).st_mode)
                 or time.time() - os.lstat(sock_path).st_mtime < min_age_s
             ):
@@ -242,7 +251,8 @@ def sweep_stale_socket_dirs(base: Path, *, min_age_s: float = 60.0) -> list[Path
                 pass
             finally:
                 probe.close()
-            os.unlink(sock_path)
+            for name in names:
+                os.unlink(folder / name)
             os.rmdir(folder)
         except OSError:
             continue

@@ -23,6 +23,7 @@ async def registration_info(runtime: RuntimeDep) -> RegistrationInfo:
         socket_path=str(runtime.gate.path),
         max_fds_per_handshake=MAX_FDS_PER_HANDSHAKE,
         max_tickets_per_connection=MAX_TICKETS_PER_CONNECTION,
+        ops_socket_path=str(runtime.ops.path),
     )
 
 

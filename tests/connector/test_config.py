@@ -171,6 +171,7 @@ def test_known_keys_are_the_documented_ones() -> None:
         "mpcache.api_token",
         "mpcache.lookup_area",
         "mpcache.key_index",
+        "mpcache.ops_socket",
     }
     assert documented == KNOWN_KEYS
     page = (ROOT / "docs" / "connector.md").read_text()

@@ -21,7 +21,15 @@ from connector.worker import WorkerAdapter
 from contract import keychain
 from contract.tokens import encode_tokens
 from dataplane.key_index import KeyIndex
-from tests.connector.fakes import AttnSpec, FakeRequest, Group, ask
+from tests.connector.fakes import (
+    AttnSpec,
+    FakeBlocks,
+    FakeRequest,
+    Group,
+    NewReq,
+    StepOutput,
+    ask,
+)
 from tests.support import free_port, require_kernel, server_process, wait_until
 
 BS = 16
@@ -115,6 +123,39 @@ def test_the_first_ask_is_answered_as_the_server_would(server: str) -> None:
     finally:
         for adapter in (indexed, asked, worker):
             adapter.shutdown()
+
+
+@pytest.mark.slow
+def test_a_prompt_like_a_landing_one_stops_waiting_once_the_index_shows_its_stores(
+    server: str,
+) -> None:
+    """The same prompt right after A finished waits for A's stores, but only until
+    the key index shows them, not for vLLM's report that they are done."""
+    worker = _worker(server, "land-w")
+    sched = _scheduler(server, "land")
+    try:
+        _indexed(sched)
+        prompt = [(i * 53 + 11) % 991 for i in range(150)]
+        a = FakeRequest("A", list(prompt))
+        assert ask(sched, a, 0) == (0, False)
+        blocks = list(range(1, 11))
+        sched.update_state_after_alloc(a, FakeBlocks((blocks,)), 0)
+        plan = sched.build_connector_meta(
+            StepOutput([NewReq("A", (blocks,), 0)], num_scheduled_tokens={"A": 150})
+        )
+        assert [(op.start_token, op.end_token) for op in plan.stores] == [(0, 144)]
+        assert sched.request_finished(a) == (True, None)  # its store is on its way
+
+        b = FakeRequest("B", list(prompt))
+        sched.send_lookups()  # a new step
+        assert sched.get_num_new_matched_tokens(b, 0) == (None, False)  # not stored yet
+        worker.save(plan)
+        assert worker.flush(10.0)  # stored; vLLM has not been told (no finished_sending)
+        sched.send_lookups()
+        assert sched.get_num_new_matched_tokens(b, 0) == (144, True)
+    finally:
+        worker.shutdown()
+        sched.shutdown()
 
 
 @pytest.mark.slow

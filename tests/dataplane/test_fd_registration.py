@@ -461,3 +461,22 @@ def test_socket_directories_of_killed_servers_are_swept(tmp_path: Any) -> None:
         assert not dead.exists() and gate.path.exists() and other.exists()
     finally:
         gate.close()
+
+
+def test_a_killed_servers_ops_socket_is_swept_with_its_registration_socket(
+    tmp_path: Any,
+) -> None:
+    dead, odd = tmp_path / "mpcache-1-dead", tmp_path / "mpcache-3-odd"
+    for folder in (dead, odd):
+        folder.mkdir(mode=0o700)
+        for name in ("register.sock", "register.ops.sock"):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gone:
+                gone.bind(str(folder / name))  # bound, then closed: nobody listens
+    (odd / "notes.txt").write_text("not ours to remove")
+    assert sweep_stale_socket_dirs(tmp_path, min_age_s=0) == [dead]
+    assert not dead.exists()
+    assert sorted(p.name for p in odd.iterdir()) == [
+        "notes.txt",
+        "register.ops.sock",
+        "register.sock",
+    ]
