@@ -183,9 +183,10 @@ class OpsSocket:
             sock.sendall(encode_frame({"boot_id": self._boot_id}))
             while not self._stopping:
                 sock.settimeout(None)
-                prefix = _read(sock, FRAME_HEAD.size)
-                received_at = time.monotonic()
+                first = _read(sock, 1)  # idle until the next frame starts
                 sock.settimeout(FRAME_TIMEOUT_S)
+                prefix = first + _read(sock, FRAME_HEAD.size - 1)
+                received_at = time.monotonic()
                 try:
                     head_len, body_len = frame_lengths(prefix, self._max_body)
                     head = decode_head(_read(sock, head_len))

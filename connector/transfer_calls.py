@@ -14,7 +14,9 @@ against the link's. Which transport a call takes:
 - no socket named, ``mpcache.ops_socket`` off, the connection cannot be opened, or
   it greets with another ``boot_id``: HTTP, for this call (the next one tries again);
 - the frame could not be sent (the server closed an idle connection): one fresh
-  connection, then HTTP as above;
+  connection, then HTTP as above; a server that accepts but never greets fails the
+  call with ``ServerTimeout`` (opening and sending share the call's timeout, and the
+  reply has its own from when the frame is sent, as an HTTP call's);
 - once the frame is sent, the socket's outcome is the call's: a timeout is a
   ``ServerTimeout`` and a lost connection a ``ServerUnreachable`` (the server may
   have run the call: it is never sent twice), an error reply the same
@@ -61,14 +63,14 @@ class _NotSent(Exception):
 class _Connection:
     """One thread's connection to the ops socket at ``path``."""
 
-    def __init__(self, path: str, boot_id: str | None, timeout_s: float) -> None:
+    def __init__(self, path: str, boot_id: str | None, deadline: float) -> None:
         self.path = path
         self.boot_id = boot_id
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(timeout_s)
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
             sock.connect(path)
-            head, _ = _read_frame(sock, time.monotonic() + timeout_s, 0)
+            head, _ = _read_frame(sock, deadline, 0)
         except BaseException:
             sock.close()
             raise
@@ -168,22 +170,26 @@ class TransferCalls:
         if self._api_token is not None:
             head["api_token"] = self._api_token
         frame = encode_frame(head, body.model_dump_json(exclude_none=True).encode())
-        deadline = time.monotonic() + timeout_s
+        # Opening and sending share one timeout, both tries together; the reply has
+        # its own from when the frame is sent, as an HTTP call's (worker.server_budget_s).
+        sent_by = time.monotonic() + timeout_s
         for fresh in (False, True):
-            conn = self._connection(path, timeout_s, fresh=fresh)
+            conn = self._connection(path, sent_by, fresh=fresh)
             if conn is None:
                 return None
             try:
-                conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
+                conn.sock.settimeout(max(0.001, sent_by - time.monotonic()))
                 conn.sock.sendall(frame)
             except OSError:
                 self._drop(conn)  # closed while idle (a restart): nothing was sent
                 continue
-            return self._reply(conn, model, deadline)
+            return self._reply(conn, model, time.monotonic() + timeout_s)
         return None
 
-    def _connection(self, path: str, timeout_s: float, *, fresh: bool) -> _Connection | None:
-        """This thread's connection to ``path`` of the current server, or None."""
+    def _connection(self, path: str, deadline: float, *, fresh: bool) -> _Connection | None:
+        """This thread's connection to ``path`` of the current server, or None. A
+        server that accepts but does not greet by ``deadline`` fails the call
+        (``ServerTimeout``): it is stuck, and HTTP would wait for it too."""
         boot_id = self._boot_id()
         conn: _Connection | None = getattr(self._local, "conn", None)
         if conn is not None and (fresh or conn.path != path or conn.boot_id != boot_id):
@@ -191,7 +197,10 @@ class TransferCalls:
             conn = None
         if conn is None:
             try:
-                conn = _Connection(path, boot_id, timeout_s)
+                conn = _Connection(path, boot_id, deadline)
+            except TimeoutError as exc:
+                url = f"{self._url} (ops socket)"
+                raise ServerTimeout(f"{url}: no greeting in time", url=self._url) from exc
             except (OSError, FrameError) as exc:
                 self._say("HTTP", f"the ops socket {path} cannot be used ({exc})")
                 return None

@@ -147,9 +147,14 @@ class _Peer:
     """A listener that greets with ``boot_id`` and then does what ``serve`` says
     with each connection: it records every frame it reads."""
 
-    def __init__(self, path: Path, boot_id: str, serve: Callable[[_Peer, socket.socket], None]):
+    def __init__(
+        self,
+        path: Path,
+        boot_id: str | None,
+        serve: Callable[[_Peer, socket.socket], None],
+    ):
         self.path = path
-        self.boot_id = boot_id
+        self.boot_id = boot_id  # None: accepts, never greets
         self.frames: list[dict[str, Any]] = []
         self.connections = 0
         self._serve = serve
@@ -169,7 +174,8 @@ class _Peer:
                 return
             self.connections += 1
             self._socks.append(sock)
-            sock.sendall(encode_frame({"boot_id": self.boot_id}))
+            if self.boot_id is not None:
+                sock.sendall(encode_frame({"boot_id": self.boot_id}))
             thread = threading.Thread(target=self._serve, args=(self, sock), daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -299,6 +305,25 @@ def test_a_reply_that_never_comes_ends_the_call_at_its_timeout(
         assert worker.http_calls.calls == []  # type: ignore[attr-defined]
     finally:
         silent.set()
+        peer.close()
+
+
+def test_a_server_that_never_greets_fails_the_call_at_its_timeout(
+    worker: WorkerAdapter, peer_dir: Path
+) -> None:
+    stuck = threading.Event()
+    peer = _Peer(peer_dir / "p.sock", None, lambda p, s: stuck.wait(10))
+    try:
+        _behind(worker, peer)
+        began = time.monotonic()
+        with pytest.raises(ServerTimeout, match="greeting"):
+            worker._transfers.store(
+                _store_body(worker), timeout_s=0.3, registration_token=worker.registration_token
+            )
+        assert time.monotonic() - began < 5.0
+        assert worker.http_calls.calls == []  # type: ignore[attr-defined]
+    finally:
+        stuck.set()
         peer.close()
 
 
