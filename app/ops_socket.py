@@ -184,9 +184,9 @@ class OpsSocket:
             while not self._stopping:
                 sock.settimeout(None)
                 first = _read(sock, 1)  # idle until the next frame starts
+                received_at = time.monotonic()  # the call's budget counts from here
                 sock.settimeout(FRAME_TIMEOUT_S)
                 prefix = first + _read(sock, FRAME_HEAD.size - 1)
-                received_at = time.monotonic()
                 try:
                     head_len, body_len = frame_lengths(prefix, self._max_body)
                     head = decode_head(_read(sock, head_len))
