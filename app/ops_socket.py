@@ -28,7 +28,6 @@ from typing import Any
 from pydantic import BaseModel, SecretStr, ValidationError
 
 from app.problems import (
-    MAX_REPORTED_ERRORS,
     domain_problem,
     problem_body,
     unexpected_problem,
@@ -224,7 +223,7 @@ class OpsSocket:
             reply = run(request, received_at, token if isinstance(token, str) else None)
         except ValidationError as exc:
             found = exc.errors(include_url=False)
-            return _reply(validation_problem(list(found[:MAX_REPORTED_ERRORS]), len(found)))
+            return _reply(validation_problem(found, len(found)))
         except MPCacheError as exc:
             return _reply(domain_problem(exc), exc.headers())
         except Exception as exc:

@@ -126,10 +126,13 @@ def domain_problem(exc: MPCacheError) -> dict[str, Any]:
 
 
 def validation_problem(errors: Sequence[Mapping[str, Any]], count: int) -> dict[str, Any]:
-    """The 422 body of a validation failure with ``count`` errors, ``errors`` the first
-    of them (locations without FastAPI's leading ``body``)."""
+    """The 422 body of a validation failure with ``count`` errors, of which it reports
+    the first few of ``errors`` (locations without FastAPI's leading ``body``)."""
     brief = brief_errors(
-        [{**err, "loc": [p for p in err.get("loc", ()) if p != "body"]} for err in errors]
+        [
+            {**err, "loc": [p for p in err.get("loc", ()) if p != "body"]}
+            for err in errors[:MAX_REPORTED_ERRORS]
+        ]
     )
     parts = [f"{'.'.join(err['loc']) or 'body'}: {err['msg']}" for err in brief]
     if count > len(brief):
@@ -179,7 +182,7 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         found = exc.errors()
         count = exc.count if isinstance(exc, BriefValidationError) else len(found)
-        return _json(validation_problem(found[:MAX_REPORTED_ERRORS], count))
+        return _json(validation_problem(found, count))
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

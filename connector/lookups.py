@@ -178,23 +178,22 @@ class Lookups:
         end = min(tokens, (len(request.all_token_ids) - 1) // self._unit * self._unit)
         if end <= 0:
             return False
-        st = self._requests.state(request)
-        hit = self._sender.index.answer(
+        hit = self._probe(self._requests.state(request), end)
+        return hit is not None and hit >= end
+
+    def _probe(self, st: RequestState, end: int) -> int | None:
+        """The key index's answer for ``st``'s first ``end`` tokens (``IndexSlot``)."""
+        request = st.request
+        return self._sender.index.answer(
             lambda: st.encoder.packed(request.all_token_ids, end),
             end,
             wire_salt(getattr(request, "cache_salt", None)),
         )
-        return hit is not None and hit >= end
 
     def _indexed(self, st: RequestState, lookup_end: int, now: float) -> int | None:
         """The answer of the server's key index, when it has one (``IndexSlot``): at
         once, in the step vLLM first asks. A lookup already in flight is abandoned."""
-        request = st.request
-        hit = self._sender.index.answer(
-            lambda: st.encoder.packed(request.all_token_ids, lookup_end),
-            lookup_end,
-            wire_salt(getattr(request, "cache_salt", None)),
-        )
+        hit = self._probe(st, lookup_end)
         if hit is None:
             return None
         if st.lookup is not None:

@@ -54,6 +54,7 @@ MAX_REPLY_BYTES = 64 << 20
 block ids at most)."""
 
 _M = TypeVar("_M", bound=BaseModel)
+_B = TypeVar("_B", bound=BaseModel)
 
 
 class _NotSent(Exception):
@@ -133,21 +134,30 @@ class TransferCalls:
     def store(
         self, body: StoreRequest, *, timeout_s: float, registration_token: str
     ) -> StoreResponse:
-        reply = self._call("store", body, StoreResponse, timeout_s, registration_token)
-        if reply is None:
-            return self._client.store(
-                body, timeout_s=timeout_s, registration_token=registration_token
-            )
-        return reply
+        return self._send(
+            "store", body, StoreResponse, self._client.store, timeout_s, registration_token
+        )
 
     def retrieve(
         self, body: RetrieveRequest, *, timeout_s: float, registration_token: str
     ) -> RetrieveResponse:
-        reply = self._call("retrieve", body, RetrieveResponse, timeout_s, registration_token)
+        return self._send(
+            "retrieve", body, RetrieveResponse, self._client.retrieve, timeout_s, registration_token
+        )
+
+    def _send(
+        self,
+        op: str,
+        body: _B,
+        model: type[_M],
+        http: Callable[..., _M],
+        timeout_s: float,
+        token: str,
+    ) -> _M:
+        """``op`` over the socket, else over HTTP (``http``, the client's call)."""
+        reply = self._call(op, body, model, timeout_s, token)
         if reply is None:
-            return self._client.retrieve(
-                body, timeout_s=timeout_s, registration_token=registration_token
-            )
+            return http(body, timeout_s=timeout_s, registration_token=token)
         return reply
 
     def close(self) -> None:
