@@ -6,7 +6,13 @@ that rotates round by round:
 - ``vllm``: no connector, vLLM's prefix cache on (a hit stays in vLLM's own cache);
 - ``mpcache``: ``MPCacheConnector`` against a fresh mpcache server, vLLM's prefix
   cache off (what a fresh engine, or one that evicted the prefix, gets);
-- ``none``: no connector, no prefix cache (every pass prefills in full).
+- ``none``: no connector, no prefix cache (every pass prefills in full);
+- ``mpcache-alt``, with ``--compare-server-args``: ``mpcache`` again, its server given
+  those arguments (e.g. ``--copy-threads 1``): a server setting A/B, round by
+  round.
+
+After each mpcache engine, its server's mean store and retrieve call (``/metrics``,
+from receipt to reply) is read: what the copies cost beside the engine.
 
 Every engine runs the same cases with the round's prompts (random token ids):
 each ``--lengths`` prompt three times (a miss; a hit at once, which with mpcache waits
@@ -100,7 +106,7 @@ def _engine(spec: dict[str, Any]) -> None:
 
     kind = spec["engine"]
     kwargs = engine_kwargs(spec, prefix_caching=kind == "vllm")
-    if kind == "mpcache":
+    if kind.startswith("mpcache"):
         kwargs["kv_transfer_config"] = {
             "kv_connector": "MPCacheConnector",
             "kv_connector_module_path": "connector",
@@ -194,6 +200,24 @@ def engine_env() -> dict[str, str]:
     return env
 
 
+def _server_call_ms(url: str) -> dict[str, float]:
+    """The server's mean store and retrieve call so far, in ms (``/metrics``)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        for op in ("store", "retrieve"):
+            for part in ("sum", "count"):
+                if line.startswith(f'mpcache_cache_op_duration_seconds_{part}{{op="{op}"}}'):
+                    sums[f"{op} {part}"] = float(line.split()[-1])
+    return {
+        op: sums[f"{op} sum"] / sums[f"{op} count"] * 1e3
+        for op in ("store", "retrieve")
+        if sums.get(f"{op} count")
+    }
+
+
 def _run_engine(python: Path, spec: dict[str, Any], log: Path) -> dict[str, Any]:
     with log.open("ab") as out:
         proc = subprocess.run(
@@ -216,6 +240,12 @@ FIGURES = (
     "mpcache 2048 tokens hit / vllm 2048 tokens hit",
     "mpcache multi-turn turn 2 / vllm multi-turn turn 2",
     "mpcache 2000 tokens miss / none 2000 tokens miss",
+    "mpcache 2000 tokens hit / mpcache-alt 2000 tokens hit",
+    "mpcache 2000 tokens later hit / mpcache-alt 2000 tokens later hit",
+    "mpcache server store ms / mpcache-alt server store ms",
+    "mpcache server retrieve ms / mpcache-alt server retrieve ms",
+    "mpcache server store ms",
+    "mpcache server retrieve ms",
     "mpcache 2000 tokens hit cached tokens",
     "mpcache 2048 tokens hit cached tokens",
     "mpcache multi-turn turn 2 cached tokens",
@@ -228,27 +258,32 @@ FIGURES = (
 each round, cached tokens, and TTFT in ms."""
 
 
-def _report(rounds: list[dict[str, dict[str, Any]]], chunk_size: int) -> str:
+def _report(
+    rounds: list[dict[str, dict[str, Any]]], chunk_size: int, engines: tuple[str, ...]
+) -> str:
     from bench.common import Rounds, results, summary
 
     table = Rounds()
     cases = list(rounds[0]["none"])
     for r in rounds:
-        for engine in ENGINES:
+        for engine in engines:
             for case in cases:
                 table.add(f"{engine} {case}", r[engine][case]["ms"])
                 table.add(f"{engine} {case} cached tokens", r[engine][case]["cached"])
-    head = f"{'case':<26}{'engine':<9}{'TTFT ms median (min-max)':>28}{'cached tokens':>24}"
+            for op, ms in r[engine].get("server calls", {}).items():
+                table.add(f"{engine} server {op} ms", ms)
+    head = f"{'case':<26}{'engine':<12}{'TTFT ms median (min-max)':>28}{'cached tokens':>24}"
     lines = [head]
     for case in cases:
-        for engine in ENGINES:
+        for engine in engines:
             ms = summary(table.values[f"{engine} {case}"], 0)
             cached = summary(table.values[f"{engine} {case} cached tokens"], 0)
-            lines.append(f"{case:<26}{engine:<9}{ms:>28}{cached:>24}")
+            lines.append(f"{case:<26}{engine:<12}{ms:>28}{cached:>24}")
     mismatched = [
         (i, engine, case)
         for i, r in enumerate(rounds)
-        for engine in ("vllm", "mpcache")
+        for engine in engines
+        if engine != "none"
         for case in cases
         if r[engine][case]["tokens"] != r["none"][case]["tokens"]
     ]
@@ -284,6 +319,12 @@ def main() -> None:
     parser.add_argument("--executor", default="mp", help="vLLM's distributed_executor_backend")
     parser.add_argument("--e2e-venv", type=Path, default=ROOT / ".venv-e2e")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
+    parser.add_argument(
+        "--compare-server-args",
+        default="",
+        metavar="ARGS",
+        help="also run the engine mpcache-alt each round, its server given ARGS",
+    )
     args = parser.parse_args()
     args.lengths = [int(n) for n in args.lengths.split(",")]
     if args.rounds < 5:
@@ -298,10 +339,11 @@ def main() -> None:
         f"model: random Llama, {args.layers} layers, hidden {args.hidden}, 4 KV heads of 64, "
         f"{args.dtype}, block {args.block_size}; server --chunk-size {args.chunk_size}"
     )
+    engines = ENGINES + (("mpcache-alt",) if args.compare_server_args else ())
     rounds: list[dict[str, dict[str, Any]]] = []
     for index in range(args.rounds):
         prompts = _prompts(args, seed=index)
-        order = ENGINES[index % 3 :] + ENGINES[: index % 3]
+        order = engines[index % len(engines) :] + engines[: index % len(engines)]
         results: dict[str, dict[str, Any]] = {}
         for engine in order:
             spec = {
@@ -313,10 +355,13 @@ def main() -> None:
                 "executor": args.executor,
                 "results": str(work / f"r{index}-{engine}.json"),
             }
-            if engine == "mpcache":
-                server_args = ("--chunk-size", str(args.chunk_size), "--pool-size", "1GiB")
+            if engine.startswith("mpcache"):
+                server_args = ["--chunk-size", str(args.chunk_size), "--pool-size", "1GiB"]
+                if engine == "mpcache-alt":
+                    server_args += args.compare_server_args.split()
                 with server_process(*server_args) as (url, _):
                     results[engine] = _run_engine(python, {**spec, "server_url": url}, log)
+                    results[engine]["server calls"] = _server_call_ms(url)
             else:
                 results[engine] = _run_engine(python, spec, log)
         rounds.append(results)
@@ -327,7 +372,7 @@ def main() -> None:
             f"(later hit {later['ms']:.0f} ms), {hit['cached']} tokens cached",
             flush=True,
         )
-    print(_report(rounds, args.chunk_size))
+    print(_report(rounds, args.chunk_size, engines))
     if args.keep:
         print(f"work folder: {work}")
 
