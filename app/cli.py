@@ -46,7 +46,7 @@ from pydantic_settings import (
 from app.settings import Settings, env_name, unknown_variables
 from contract import __version__
 
-__all__ = ["main", "parse_settings"]
+__all__ = ["main", "metric_samples", "parse_settings"]
 
 logger = logging.getLogger(__name__)
 
@@ -438,7 +438,7 @@ def _chunk_size(command: ChunkSizeCommand, url: str) -> str:
     )
 
 
-def _samples(text: str) -> dict[str, float]:
+def metric_samples(text: str) -> dict[str, float]:
     """``name`` or ``name{label=value,...}`` -> value, from Prometheus text."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -451,7 +451,7 @@ def _samples(text: str) -> dict[str, float]:
 
 
 def _stats(command: StatsCommand, url: str) -> str:
-    samples = _samples(_get(url, "/metrics", command.timeout_s))
+    samples = metric_samples(_get(url, "/metrics", command.timeout_s))
     if command.json_:
         return json.dumps(samples, indent=2, sort_keys=True)
 

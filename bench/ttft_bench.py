@@ -204,18 +204,16 @@ def _server_call_ms(url: str) -> dict[str, float]:
     """The server's mean store and retrieve call so far, in ms (``/metrics``)."""
     import httpx
 
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    sums: dict[str, float] = {}
-    for line in text.splitlines():
-        for op in ("store", "retrieve"):
-            for part in ("sum", "count"):
-                if line.startswith(f'mpcache_cache_op_duration_seconds_{part}{{op="{op}"}}'):
-                    sums[f"{op} {part}"] = float(line.split()[-1])
-    return {
-        op: sums[f"{op} sum"] / sums[f"{op} count"] * 1e3
-        for op in ("store", "retrieve")
-        if sums.get(f"{op} count")
-    }
+    from app.cli import metric_samples
+
+    samples = metric_samples(httpx.get(f"{url}/metrics", timeout=10).text)
+    means = {}
+    for op in ("store", "retrieve"):
+        count = samples.get(f"mpcache_cache_op_duration_seconds_count{{op={op}}}")
+        if count:
+            total = samples[f"mpcache_cache_op_duration_seconds_sum{{op={op}}}"]
+            means[op] = total / count * 1e3
+    return means
 
 
 def _run_engine(python: Path, spec: dict[str, Any], log: Path) -> dict[str, Any]:

@@ -54,7 +54,6 @@ MAX_REPLY_BYTES = 64 << 20
 block ids at most)."""
 
 _M = TypeVar("_M", bound=BaseModel)
-_B = TypeVar("_B", bound=BaseModel)
 
 
 class _NotSent(Exception):
@@ -148,7 +147,7 @@ class TransferCalls:
     def _send(
         self,
         op: str,
-        body: _B,
+        body: BaseModel,
         model: type[_M],
         http: Callable[..., _M],
         timeout_s: float,
