@@ -14,17 +14,20 @@ that rotates round by round:
 After each mpcache engine, its server's mean store and retrieve call (``/metrics``,
 from receipt to reply) is read: what the copies cost beside the engine.
 
-Every engine runs the same cases with the round's prompts (random token ids):
-each ``--lengths`` prompt three times (a miss; a hit at once, which with mpcache waits
-for the miss's stores to reach the server; a "later hit" after ``--later-s`` idle, what
-a request for a prefix stored a while ago gets, e.g. after vLLM evicted it), and a
-multi-turn case: turn 1's prompt, answered with ``--answer-tokens`` tokens, then
-turn 2 = turn 1's prompt, its answer and ``--turn2-new`` new tokens. Timed passes
-ask for one token, so a ``generate`` call's wall time is its time to first token.
+Every engine runs the same cases with the round's prompts (random token ids),
+``--prompts`` times over with distinct prompts: each ``--lengths`` prompt three times
+(a miss; a hit at once, which with mpcache waits for the miss's stores to reach the
+server; a "later hit" after ``--later-s`` idle, what a request for a prefix stored a
+while ago gets, e.g. after vLLM evicted it), and a multi-turn case: turn 1's prompt,
+answered with ``--answer-tokens`` tokens, then turn 2 = turn 1's prompt, its answer
+and ``--turn2-new`` new tokens. Timed passes ask for one token, so a ``generate``
+call's wall time is its time to first token. An engine's TTFT for a case in a round
+is the median over its prompts: one pass each varied by more than the differences
+measured, so single passes gave run medians that did not come back on a rerun.
 Every engine gets the same CPU threads (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``:
 vLLM-CPU otherwise reserves one more core for an engine with a connector).
 
-Printed, per case: each engine's TTFT and the tokens vLLM reports cached
+Printed, per case: each engine's TTFT and the fewest tokens vLLM reports cached
 (median (min-max) over the rounds), then the ``result:`` lines of ``FIGURES``: an
 mpcache hit against a vLLM hit and a miss with the connector against one without,
 each ratio taken within its round. Outputs of every pass are compared with the
@@ -33,7 +36,7 @@ each ratio taken within its round. Outputs of every pass are compared with the
     .venv/bin/python bench/ttft_bench.py [--rounds 5] [--lengths 2000,2048]
 
 Needs the e2e venv (``.venv-e2e``, ``scripts/bootstrap_e2e_venv.sh``). A round takes
-about a minute on a 2-core machine (three engine starts).
+about two minutes on a 2-core machine (three engine starts, five prompts of each case).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,7 +59,7 @@ VOCAB_SIZE = 1000
 
 
 # ---------------------------------------------------------------- engine side
-# (run by the e2e venv's python: ``ttft_bench.py engine SPEC_JSON``)
+# (run by the e2e venv's python: ``ttft_bench.py engine SPEC_FILE``)
 
 
 def make_model(out_dir: str, spec: dict[str, Any]) -> None:
@@ -126,17 +130,19 @@ def _engine(spec: dict[str, Any]) -> None:
             "tokens": list(out.outputs[0].token_ids),
         }
 
-    results: dict[str, Any] = {}
+    results: dict[str, list[dict[str, Any]]] = {}
     generate(spec["warmup"], 4)
-    for name, prompt in spec["prompts"].items():
-        results[f"{name} miss"] = generate(prompt)
-        results[f"{name} hit"] = generate(prompt)
-        time.sleep(spec["later_s"])
-        results[f"{name} later hit"] = generate(prompt)
-    turn1 = spec["turn1"]
-    answer = generate(turn1, spec["answer_tokens"])["tokens"]
-    results["multi-turn turn 2"] = generate(turn1 + answer + spec["turn2_new"])
-    results["multi-turn turn 2"]["shared"] = len(turn1) + len(answer)
+    for i, (turn1, turn2_new) in enumerate(zip(spec["turn1"], spec["turn2_new"], strict=True)):
+        for name, prompts in spec["prompts"].items():
+            prompt = prompts[i]
+            results.setdefault(f"{name} miss", []).append(generate(prompt))
+            results.setdefault(f"{name} hit", []).append(generate(prompt))
+            time.sleep(spec["later_s"])
+            results.setdefault(f"{name} later hit", []).append(generate(prompt))
+        answer = generate(turn1, spec["answer_tokens"])["tokens"]
+        turn2 = generate(turn1 + answer + turn2_new)
+        turn2["shared"] = len(turn1) + len(answer)
+        results.setdefault("multi-turn turn 2", []).append(turn2)
     Path(spec["results"]).write_text(json.dumps(results))
     llm.llm_engine.engine_core.shutdown()
 
@@ -170,13 +176,14 @@ def _prompts(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     def tokens(n: int) -> list[int]:
         return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
 
+    repeats = range(args.prompts)
     return {
         # As long as the longest prompt: the first long prefill of an engine pays for
         # allocations and kernel set-up that later ones do not.
         "warmup": tokens(max(args.lengths)),
-        "prompts": {f"{n} tokens": tokens(n) for n in args.lengths},
-        "turn1": tokens(args.turn1_tokens),
-        "turn2_new": tokens(args.turn2_new),
+        "prompts": {f"{n} tokens": [tokens(n) for _ in repeats] for n in args.lengths},
+        "turn1": [tokens(args.turn1_tokens) for _ in repeats],
+        "turn2_new": [tokens(args.turn2_new) for _ in repeats],
         "answer_tokens": args.answer_tokens,
         "later_s": args.later_s,
     }
@@ -217,9 +224,11 @@ def _server_call_ms(url: str) -> dict[str, float]:
 
 
 def _run_engine(python: Path, spec: dict[str, Any], log: Path) -> dict[str, Any]:
+    spec_file = Path(spec["results"]).with_suffix(".spec.json")  # too long for argv
+    spec_file.write_text(json.dumps(spec))
     with log.open("ab") as out:
         proc = subprocess.run(
-            [str(python), __file__, "engine", json.dumps(spec)],
+            [str(python), __file__, "engine", str(spec_file)],
             cwd=ROOT,
             env=engine_env(),
             stdout=out,
@@ -228,8 +237,19 @@ def _run_engine(python: Path, spec: dict[str, Any], log: Path) -> dict[str, Any]
         )
     if proc.returncode != 0:
         raise SystemExit(f"the {spec['engine']} engine failed (rc {proc.returncode}); see {log}")
-    result: dict[str, Any] = json.loads(Path(spec["results"]).read_text())
-    return result
+    samples: dict[str, list[dict[str, Any]]] = json.loads(Path(spec["results"]).read_text())
+    return {case: _case(runs) for case, runs in samples.items()}
+
+
+def _case(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's figures for one case in one round, from its ``--prompts`` runs:
+    the median TTFT, the fewest tokens cached, every run's output."""
+    return {
+        "ms": statistics.median(run["ms"] for run in runs),
+        "cached": min(run["cached"] for run in runs),
+        "tokens": [run["tokens"] for run in runs],
+        "shared": runs[0].get("shared"),
+    }
 
 
 FIGURES = (
@@ -298,11 +318,17 @@ def main() -> None:
         make_model(sys.argv[2], json.loads(sys.argv[3]))
         return
     if len(sys.argv) == 3 and sys.argv[1] == "engine":
-        _engine(json.loads(sys.argv[2]))
+        _engine(json.loads(Path(sys.argv[2]).read_text()))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--lengths", default="2000,2048", help="prompt lengths, comma-separated")
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        default=5,
+        help="distinct prompts of each case an engine times in a round (their median counts)",
+    )
     parser.add_argument("--turn1-tokens", type=int, default=1500)
     parser.add_argument("--answer-tokens", type=int, default=40)
     parser.add_argument("--turn2-new", type=int, default=200)
