@@ -9,7 +9,12 @@ that rotates round by round:
 - ``none``: no connector, no prefix cache (every pass prefills in full);
 - ``mpcache-alt``, with ``--compare-server-args``: ``mpcache`` again, its server given
   those arguments (e.g. ``--copy-threads 1``): a server setting A/B, round by
-  round.
+  round;
+- ``mpcache-floor``, with ``--floor``: ``mpcache`` whose loads copy nothing
+  (``bench.floor_connector``: the retrieve call is answered at once, all loaded):
+  its hit is the floor set by vLLM's asynchronous-load steps and the connector
+  before a byte moves, and ``mpcache``'s hit over it is what the copy adds. Its
+  outputs are wrong by design and are not compared.
 
 After each mpcache engine, its server's mean store and retrieve call (``/metrics``,
 from receipt to reply) is read: what the copies cost beside the engine.
@@ -111,9 +116,10 @@ def _engine(spec: dict[str, Any]) -> None:
     kind = spec["engine"]
     kwargs = engine_kwargs(spec, prefix_caching=kind == "vllm")
     if kind.startswith("mpcache"):
+        floor = kind == "mpcache-floor"
         kwargs["kv_transfer_config"] = {
-            "kv_connector": "MPCacheConnector",
-            "kv_connector_module_path": "connector",
+            "kv_connector": "FloorMPCacheConnector" if floor else "MPCacheConnector",
+            "kv_connector_module_path": "bench.floor_connector" if floor else "connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"mpcache.server_urls": spec["server_url"]},
@@ -258,6 +264,10 @@ FIGURES = (
     "mpcache 2048 tokens hit / vllm 2048 tokens hit",
     "mpcache multi-turn turn 2 / vllm multi-turn turn 2",
     "mpcache 2000 tokens miss / none 2000 tokens miss",
+    "mpcache-floor 2000 tokens hit / vllm 2000 tokens hit",
+    "mpcache-floor 2000 tokens later hit / vllm 2000 tokens later hit",
+    "mpcache 2000 tokens hit / mpcache-floor 2000 tokens hit",
+    "mpcache 2000 tokens later hit / mpcache-floor 2000 tokens later hit",
     "mpcache 2000 tokens hit / mpcache-alt 2000 tokens hit",
     "mpcache 2000 tokens later hit / mpcache-alt 2000 tokens later hit",
     "mpcache server store ms / mpcache-alt server store ms",
@@ -271,6 +281,7 @@ FIGURES = (
     "mpcache 2000 tokens hit",
     "vllm 2000 tokens later hit",
     "mpcache 2000 tokens later hit",
+    "mpcache-floor 2000 tokens hit",
 )
 """What docs/benchmarks.md quotes (bench/common.py ``results``): ratios of TTFT within
 each round, cached tokens, and TTFT in ms."""
@@ -290,18 +301,18 @@ def _report(
                 table.add(f"{engine} {case} cached tokens", r[engine][case]["cached"])
             for op, ms in r[engine].get("server calls", {}).items():
                 table.add(f"{engine} server {op} ms", ms)
-    head = f"{'case':<26}{'engine':<12}{'TTFT ms median (min-max)':>28}{'cached tokens':>24}"
+    head = f"{'case':<26}{'engine':<15}{'TTFT ms median (min-max)':>28}{'cached tokens':>24}"
     lines = [head]
     for case in cases:
         for engine in engines:
             ms = summary(table.values[f"{engine} {case}"], 0)
             cached = summary(table.values[f"{engine} {case} cached tokens"], 0)
-            lines.append(f"{case:<26}{engine:<12}{ms:>28}{cached:>24}")
+            lines.append(f"{case:<26}{engine:<15}{ms:>28}{cached:>24}")
     mismatched = [
         (i, engine, case)
         for i, r in enumerate(rounds)
         for engine in engines
-        if engine != "none"
+        if engine not in ("none", "mpcache-floor")  # the floor's KV is never loaded
         for case in cases
         if r[engine][case]["tokens"] != r["none"][case]["tokens"]
     ]
@@ -349,6 +360,11 @@ def main() -> None:
         metavar="ARGS",
         help="also run the engine mpcache-alt each round, its server given ARGS",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run the engine mpcache-floor each round: loads that copy nothing",
+    )
     args = parser.parse_args()
     args.lengths = [int(n) for n in args.lengths.split(",")]
     if args.rounds < 5:
@@ -364,6 +380,7 @@ def main() -> None:
         f"{args.dtype}, block {args.block_size}; server --chunk-size {args.chunk_size}"
     )
     engines = ENGINES + (("mpcache-alt",) if args.compare_server_args else ())
+    engines += ("mpcache-floor",) if args.floor else ()
     rounds: list[dict[str, dict[str, Any]]] = []
     for index in range(args.rounds):
         prompts = _prompts(args, seed=index)
