@@ -38,7 +38,7 @@ mpcache hit against a vLLM hit and a miss with the connector against one without
 each ratio taken within its round. Outputs of every pass are compared with the
 ``none`` engine's (greedy): any difference is printed.
 
-    .venv/bin/python bench/ttft_bench.py [--rounds 5] [--lengths 2000,2048]
+    .venv/bin/python bench/ttft_bench.py [--rounds 5] [--lengths 2000,2048] [--floor]
 
 Needs the e2e venv (``.venv-e2e``, ``scripts/bootstrap_e2e_venv.sh``). A round takes
 about two minutes on a 2-core machine (three engine starts, five prompts of each case).

@@ -17,18 +17,13 @@ from tests.connector.fakes import FakeServer
 
 
 def _floor_worker(tiny_model_dir: Path, fake: FakeServer, kv: dict[str, Any]) -> Any:
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-
-    from tests.connector.vllm_support import make_kv_cache_config, make_vllm_config
+    from tests.connector.vllm_support import make_connector, make_kv_cache_config, make_vllm_config
 
     config = make_vllm_config(tiny_model_dir, {"mpcache.server_urls": fake.url})
     assert config.kv_transfer_config is not None
     config.kv_transfer_config.kv_connector = "FloorMPCacheConnector"
     config.kv_transfer_config.kv_connector_module_path = "bench.floor_connector"
-    conn = KVConnectorFactory.create_connector(
-        config, KVConnectorRole.WORKER, make_kv_cache_config(16)
-    )
+    conn = make_connector(config, "worker", make_kv_cache_config(16))
     conn.register_kv_caches(kv)
     return conn
 
