@@ -15,8 +15,9 @@ re-register worker state. Only when it returns is the server marked healthy; if 
 raises, the server stays unhealthy and recovery is tried again after the next
 successful ping.
 
-The same loop also runs fire-and-forget work for the adapter (``submit``), so calls
-vLLM need not wait for (ending sessions) stay off vLLM's thread.
+The same loop also runs work for the adapter that vLLM need not wait for, off vLLM's
+thread: once (``submit``), or every so often (``every``: ending sessions, which a
+step hands over without waking this thread).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class Heartbeat:
         self._ready = threading.Event()
         self._stopping = False
         self._start_lock = threading.Lock()
+        self._periodic: list[tuple[float, Job]] = []
         self.rounds = 0
 
     @classmethod
@@ -136,6 +138,13 @@ class Heartbeat:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(wake.set)
 
+    def every(self, period_s: float, job: Job) -> None:
+        """Run ``job(clients)`` on the loop every ``period_s`` while it runs, after
+        each round of ``job`` ends (register before ``start``)."""
+        if self._thread is not None:
+            raise RuntimeError("periodic jobs are registered before the heartbeat starts")
+        self._periodic.append((period_s, job))
+
     def submit(self, job: Job) -> concurrent.futures.Future[object] | None:
         """Run ``job(clients)`` on the loop; ``None`` if the loop is not running."""
         loop = self._loop
@@ -171,6 +180,7 @@ class Heartbeat:
         }
         self._loop = loop
         self._ready.set()
+        periodic = [loop.create_task(self._repeat(p, job)) for p, job in self._periodic]
         try:
             while not self._stopping:
                 await self._round()
@@ -181,9 +191,17 @@ class Heartbeat:
                     await asyncio.wait_for(self._wake.wait(), timeout=self.interval_s)
                 self._wake.clear()
         finally:
+            for task in periodic:
+                task.cancel()
+            await asyncio.gather(*periodic, return_exceptions=True)
             self._loop = None
             for client in self._clients.values():
                 await client.aclose()
+
+    async def _repeat(self, period_s: float, job: Job) -> None:
+        while not self._stopping:
+            await asyncio.sleep(period_s)
+            await self._guard(job)
 
     async def _guard(self, job: Job) -> object:
         try:

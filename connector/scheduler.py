@@ -14,6 +14,7 @@ planned; nothing here raises into vLLM, and every HTTP call has a short timeout.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -43,6 +44,12 @@ from contract.wire_text import end_sessions
 __all__ = ["SchedulerAdapter"]
 
 logger = logging.getLogger("mpcache.connector")
+
+END_EVERY_S = 0.25
+"""How often the heartbeat loop ends the sessions of requests vLLM has finished with
+(one batched ``/cache/end`` per server). A step only queues them: a call handed over
+from the step woke that thread, which took the engine's GIL from the step that
+scheduled the next load, and reached the server while it copied that load."""
 
 
 class _Landing:
@@ -135,7 +142,9 @@ class SchedulerAdapter:
         except BaseException:
             close_links(self.links)
             raise
-        self._ended: list[str] = []
+        self._ended: list[str] = []  # sessions to end, carried by the next plan
+        self._ending: list[str] = []  # sessions the heartbeat loop ends next
+        self._ending_lock = threading.Lock()
         # Requests a plan carried stores for, until vLLM frees their blocks.
         self._storing: set[str] = set()
         self._landing = _Landing(self.chunk_size, config.request_timeout_s, clock)
@@ -147,6 +156,7 @@ class SchedulerAdapter:
             name="mpcache-heartbeat-scheduler",
             transport_factory=async_transport,
         )
+        self.heartbeat.every(END_EVERY_S, self._end_queued)
         # Loaded (compiled once per machine) here, at startup: never on vLLM's thread.
         packer = tokenpack.load()
         self._requests = RequestTable(packer)
@@ -248,11 +258,7 @@ class SchedulerAdapter:
         loads, stores, failed_loads = self._planner.plan(scheduler_output, store=self.available)
         ended = tuple(self._ended)
         self._ended.clear()
-        if ended:
-            try:
-                self._send_end(ended)
-            except Exception as exc:  # the server's sessions expire on their own
-                self._failures("end", "mpcache: ending sessions failed", exc=exc)
+        self._send_end(ended)
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
         plan = StepPlan(
             loads=tuple(loads),
@@ -273,7 +279,7 @@ class SchedulerAdapter:
         A request some plan carried stores for keeps its blocks until every worker
         reports that no store reads them (``finished_sending``, then
         ``transfers_finished``); its server sessions end after that. Any other
-        request's blocks are freed at once and its sessions end with the next plan.
+        request's blocks are freed at once and its sessions are ended after the next plan.
         """
         request_id = request.request_id
         st = self._requests.pop(request_id, None)
@@ -287,38 +293,46 @@ class SchedulerAdapter:
         return False, None
 
     def transfers_finished(self, finished_sending: Iterable[str]) -> None:
-        """vLLM freed these requests' blocks (their stores are done): end their
-        sessions now (off vLLM's thread), not with a next step that may never come."""
+        """vLLM freed these requests' blocks (their stores are done): their sessions
+        end with the heartbeat loop's next ``_end_queued``, not with a next step that
+        may never come."""
         ended = [rid for rid in finished_sending if rid in self._storing]
         if not ended:
             return
         self._storing.difference_update(ended)
         self._landing.landed(ended)
-        try:
-            self._send_end(ended)
-        except Exception as exc:  # the server's sessions expire on their own
-            self._failures("end", "mpcache: ending sessions failed", exc=exc)
+        self._send_end(ended)
 
     def _send_end(self, request_ids: Sequence[str]) -> None:
-        body = end_sessions(request_ids)
+        """Queue the sessions for the heartbeat loop's next ``_end_queued``."""
+        with self._ending_lock:
+            self._ending.extend(request_ids)
 
-        async def job(clients: Mapping[str, AsyncControlClient]) -> None:
-            for client in clients.values():
-                await client.end_sessions(body)
+    def _take_ending(self) -> list[str]:
+        with self._ending_lock:
+            ids, self._ending = self._ending, []
+        return ids
 
-        self.heartbeat.submit(job)
+    async def _end_queued(self, clients: Mapping[str, AsyncControlClient]) -> None:
+        ids = self._take_ending()
+        if not ids:
+            return
+        body = end_sessions(ids)
+        for client in clients.values():
+            await client.end_sessions(body)
 
     def shutdown(self) -> None:
         """End outstanding sessions (bounded), stop the heartbeat, close clients."""
-        if self._ended:
-            body = end_sessions(self._ended)
-            self._ended.clear()
+        self.heartbeat.stop()
+        ended = self._ended + self._take_ending()
+        self._ended.clear()
+        if ended:
+            body = end_sessions(ended)
             for link in self.links.values():
                 if link.healthy:
                     try:
                         link.client.end_sessions(body)
                     except ServerError as exc:
                         logger.debug("mpcache end of sessions on %s failed: %s", link.url, exc)
-        self.heartbeat.stop()
         self._lookups.close()
         close_links(self.links)

@@ -468,6 +468,31 @@ def test_finished_sessions_are_ended_off_thread(adapters: list[SchedulerAdapter]
     assert server.paths().count("POST /cache/end") == 1  # one batched call per step
 
 
+def test_steps_queue_ended_sessions_for_the_heartbeat_loop(
+    adapters: list[SchedulerAdapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step hands the heartbeat's thread nothing (waking it took the engine's GIL
+    from the step that scheduled a load): ended sessions wait for the loop's next
+    round of ending them, and the ends of several steps go out as one call."""
+    server = FakeServer(min_chunk_size=64)
+    adapter = make(adapters, server)
+
+    def no_handover(*_: object) -> None:
+        raise AssertionError("a step handed work to the heartbeat's thread")
+
+    monkeypatch.setattr(adapter.heartbeat, "submit", no_handover)
+    monkeypatch.setattr(adapter.heartbeat, "wake", no_handover)
+    for rid in ("A", "B"):
+        adapter.request_finished(FakeRequest(rid, _tokens(10)))
+        assert adapter.build_connector_meta(StepOutput()).ended == (rid,)
+    assert server.ended == []
+    adapter.heartbeat.start()
+    wait_until(lambda: server.ended == ["A", "B"])
+    assert server.paths().count("POST /cache/end") == 1
+    with pytest.raises(RuntimeError, match="before the heartbeat starts"):
+        adapter.heartbeat.every(1.0, adapter._end_queued)
+
+
 def test_shutdown_flushes_ended_sessions(adapters: list[SchedulerAdapter]) -> None:
     server = FakeServer(min_chunk_size=64)
     adapter = make(adapters, server)
