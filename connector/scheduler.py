@@ -322,7 +322,7 @@ class SchedulerAdapter:
             await client.end_sessions(body)
 
     def shutdown(self) -> None:
-        """End outstanding sessions (bounded), stop the heartbeat, close clients."""
+        """Stop the heartbeat, end the sessions still queued (bounded), close clients."""
         self.heartbeat.stop()
         ended = self._ended + self._take_ending()
         self._ended.clear()
