@@ -137,6 +137,12 @@ class Telemetry:
         self.copy_threads = Gauge(
             "mpcache_copy_threads", "Threads one chunk's copy uses (measured at start).", registry=r
         )
+        self.copies_alone = Counter(
+            "mpcache_copies_alone",
+            "Chunk copies made by one thread where the copy threads would have shared "
+            "them: no core was idle (vLLM's processes had them).",
+            registry=r,
+        )
         self.chunks_l2_hit = Counter(
             "mpcache_chunks_l2_hit",
             "Chunks lookups found in the shared L2 tier only (also counted in chunks_hit).",

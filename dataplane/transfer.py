@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from dataplane.blockcopy import BlockCopier
+from dataplane.idle_cores import IdleCores
 from dataplane.plans import TensorPlan
 
 __all__ = [
@@ -189,19 +190,32 @@ class CopyPool:
     for one (the server shares its host with vLLM's busy processes) holds the chunk
     back by at most the job it has started, never by its share of the chunk: the
     caller copies what no helper took, and a helper that never started is cancelled.
-    numpy and the kernel release the GIL while they move bytes, so jobs copy in
-    parallel. Copies are memory-bound: the right count depends on the machine's
-    memory system, not its core count, so the server measures it at start
-    (``measure_copy_threads``; ``--copy-threads`` overrides it). Threads of numpy
+    With ``idle_cores`` (``dataplane.idle_cores``; the pool closes it), a chunk
+    wakes no more helpers than there are idle cores when it starts, so a copy never
+    takes a core from vLLM's step; ``on_alone`` is called for each chunk the caller
+    then copies alone that helpers would have shared. numpy and the kernel release
+    the GIL while they move bytes, so jobs copy in parallel. Copies are memory-bound:
+    the right count depends on the machine's memory system, not its core count, so
+    the server measures it at start (``measure_copy_threads``; ``--copy-threads``
+    overrides it). Threads of numpy
     copies are used rather than torch's intra-op threads, which through the server
     were slower than one. ``run`` returns only once every started job has stopped,
     so a chunk that fails is never written to after its caller aborts it. Owned by
     the server's runtime (``close`` at shutdown).
     """
 
-    def __init__(self, threads: int = 1, kernel: BlockCopier | None = None) -> None:
+    def __init__(
+        self,
+        threads: int = 1,
+        kernel: BlockCopier | None = None,
+        *,
+        idle_cores: IdleCores | None = None,
+        on_alone: Callable[[], None] | None = None,
+    ) -> None:
         self.threads = max(1, threads)
         self.kernel = kernel
+        self._idle_cores = idle_cores
+        self._on_alone = on_alone
         self._helpers = (
             ThreadPoolExecutor(self.threads - 1, thread_name_prefix="mpcache-copy")
             if self.threads > 1
@@ -217,10 +231,10 @@ class CopyPool:
     def run(self, jobs: Sequence[Callable[[], int]]) -> int:
         """Run ``jobs`` (each returns bytes copied) on the caller and the helpers that
         get to them; their sum."""
-        if self._helpers is None or len(jobs) < 2:
+        helpers = self._helpers_for(len(jobs))
+        if self._helpers is None or helpers == 0:
             return sum(job() for job in jobs)
         queue = _Jobs(jobs)
-        helpers = min(self.threads, len(jobs)) - 1
         futures = [self._helpers.submit(queue.drain) for _ in range(helpers)]
         total = 0
         error: BaseException | None = None
@@ -239,9 +253,25 @@ class CopyPool:
             raise error
         return total
 
+    def _helpers_for(self, jobs: int) -> int:
+        """Helpers to wake for ``jobs`` jobs: one fewer threads than jobs at most, and
+        no more than the cores idle now."""
+        helpers = min(self.threads, jobs) - 1
+        if helpers <= 0 or self._idle_cores is None:
+            return max(0, helpers)
+        idle = self._idle_cores()
+        if idle is None or idle >= helpers:
+            return helpers
+        if idle == 0 and self._on_alone is not None:
+            self._on_alone()
+        return idle
+
     def close(self) -> None:
+        """Stop the helpers (after the jobs they run), then the ``idle_cores`` probe."""
         if self._helpers is not None:
             self._helpers.shutdown(wait=True)
+        if self._idle_cores is not None:
+            self._idle_cores.close()
 
 
 _SERIAL = CopyPool(1)
