@@ -48,9 +48,9 @@ from contract.kernels import KernelUnavailable
 from contract.schemas import ClusterHealth, ClusterMember, ClusterResponse
 from contract.shm_naming import segment_name
 from dataplane import blockcopy, key_index
+from dataplane.cpu_pressure import CpuPressure
 from dataplane.device_path import DevicePath, PoolPinning
 from dataplane.fdgate import FdGate, default_socket_path, ops_socket_path
-from dataplane.idle_cores import IdleCores
 from dataplane.pool import Pool
 from dataplane.registry import Registry
 from dataplane.segments import sweep_stale_segments
@@ -502,7 +502,7 @@ def _assemble(
         threads, copy_rates = measure_copy_threads()
     configure_copy_threads(threads)
     kernel, kernel_note = _block_kernel(settings.block_kernel)
-    copier = CopyPool(threads, kernel, idle_cores=IdleCores(), on_alone=telemetry.copies_alone.inc)
+    copier = CopyPool(threads, kernel, pressure=CpuPressure(), on_alone=telemetry.copies_alone.inc)
     registry = Registry()
     device = DevicePath(PoolPinning(pool.address, pool.capacity_bytes, enabled=settings.pin_pool))
     socket_path = settings.register_socket or default_socket_path(settings.port)

@@ -140,7 +140,7 @@ class Telemetry:
         self.copies_alone = Counter(
             "mpcache_copies_alone",
             "Chunk copies made by one thread where the copy threads would have shared "
-            "them: no core was idle (vLLM's processes had them).",
+            "them: threads on the host were waiting for a core (/proc/pressure/cpu).",
             registry=r,
         )
         self.chunks_l2_hit = Counter(

@@ -161,6 +161,11 @@ def transfer(
     return result
 
 
+def _metric(lines: list[str], name: str) -> list[str]:
+    """The value of the unlabelled metric ``name`` in ``/metrics`` lines ([] if absent)."""
+    return [line.split()[-1] for line in lines if line.startswith(f"{name} ")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per store (128 KiB each)")
@@ -191,6 +196,7 @@ def main() -> None:
     }
     copies = Rounds()
     threads: list[str] = []
+    alone: list[str] = []
     lat = Rounds()
     kv = tiny = dst_segment = None
     try:
@@ -251,11 +257,9 @@ def main() -> None:
                 copies.add("numpy copy shm -> shm", nbytes / (time.perf_counter() - begin) / 1e9)
 
             lookup_rounds(http, args, rounds_n, tiny_blocks, lat)
-            threads = [
-                line.split()[-1]
-                for line in http.get("/metrics").text.splitlines()
-                if line.startswith("mpcache_copy_threads ")
-            ]
+            metrics = http.get("/metrics").text.splitlines()
+            threads = _metric(metrics, "mpcache_copy_threads")
+            alone = _metric(metrics, "mpcache_copies_alone_total")
             for sock in sockets:
                 sock.close()
         del dst, src
@@ -269,6 +273,10 @@ def main() -> None:
 
     print(load_line())
     print(f"server copy threads: {threads[0] if threads else 'not reported'}")
+    print(
+        "chunks copied by one thread, no core idle (mpcache_copies_alone_total): "
+        f"{alone[0] if alone else 'not reported'}"
+    )
     names = [f"{op} ({order})" for order in orders for op in ("store", "retrieve")]
     print()
     print(

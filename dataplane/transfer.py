@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from dataplane.blockcopy import BlockCopier
-from dataplane.idle_cores import IdleCores
+from dataplane.cpu_pressure import CpuPressure
 from dataplane.plans import TensorPlan
 
 __all__ = [
@@ -190,10 +190,10 @@ class CopyPool:
     for one (the server shares its host with vLLM's busy processes) holds the chunk
     back by at most the job it has started, never by its share of the chunk: the
     caller copies what no helper took, and a helper that never started is cancelled.
-    With ``idle_cores`` (``dataplane.idle_cores``; the pool closes it), a chunk
-    wakes no more helpers than there are idle cores when it starts, so a copy never
-    takes a core from vLLM's step; ``on_alone`` is called for each chunk the caller
-    then copies alone that helpers would have shared. numpy and the kernel release
+    With ``pressure`` (``dataplane.cpu_pressure``; the pool closes it), a chunk wakes
+    no helper while threads on the host wait for a core, so a copy does not take
+    one from vLLM's step; ``on_alone`` is called for each chunk the caller then
+    copies alone that helpers would have shared. numpy and the kernel release
     the GIL while they move bytes, so jobs copy in parallel. Copies are memory-bound:
     the right count depends on the machine's memory system, not its core count, so
     the server measures it at start (``measure_copy_threads``; ``--copy-threads``
@@ -209,12 +209,12 @@ class CopyPool:
         threads: int = 1,
         kernel: BlockCopier | None = None,
         *,
-        idle_cores: IdleCores | None = None,
+        pressure: CpuPressure | None = None,
         on_alone: Callable[[], None] | None = None,
     ) -> None:
         self.threads = max(1, threads)
         self.kernel = kernel
-        self._idle_cores = idle_cores
+        self._pressure = pressure
         self._on_alone = on_alone
         self._helpers = (
             ThreadPoolExecutor(self.threads - 1, thread_name_prefix="mpcache-copy")
@@ -255,23 +255,20 @@ class CopyPool:
 
     def _helpers_for(self, jobs: int) -> int:
         """Helpers to wake for ``jobs`` jobs: one fewer threads than jobs at most, and
-        no more than the cores idle now."""
+        none while the host's threads wait for a core."""
         helpers = min(self.threads, jobs) - 1
-        if helpers <= 0 or self._idle_cores is None:
+        if helpers <= 0 or self._pressure is None or not self._pressure.busy():
             return max(0, helpers)
-        idle = self._idle_cores()
-        if idle is None or idle >= helpers:
-            return helpers
-        if idle == 0 and self._on_alone is not None:
+        if self._on_alone is not None:
             self._on_alone()
-        return idle
+        return 0
 
     def close(self) -> None:
-        """Stop the helpers (after the jobs they run), then the ``idle_cores`` probe."""
+        """Stop the helpers (after the jobs they run), then the ``pressure`` probe."""
         if self._helpers is not None:
             self._helpers.shutdown(wait=True)
-        if self._idle_cores is not None:
-            self._idle_cores.close()
+        if self._pressure is not None:
+            self._pressure.close()
 
 
 _SERIAL = CopyPool(1)
