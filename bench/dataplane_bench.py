@@ -274,7 +274,7 @@ def main() -> None:
     print(load_line())
     print(f"server copy threads: {threads[0] if threads else 'not reported'}")
     print(
-        "chunks copied by one thread, no core idle (mpcache_copies_alone_total): "
+        "chunks copied alone, threads waiting for a core (mpcache_copies_alone_total): "
         f"{alone[0] if alone else 'not reported'}"
     )
     names = [f"{op} ({order})" for order in orders for op in ("store", "retrieve")]
