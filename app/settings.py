@@ -224,6 +224,12 @@ class Settings(BaseSettings):
         description="Threads one chunk's copy may use; 0: measured at start (the fastest "
         "of 1, 2, 4, 8 up to the core count).",
     )
+    copy_alone_when_busy: bool = Field(
+        True,
+        description="Copy a chunk with the calling thread alone while Linux's CPU "
+        "pressure (/proc/pressure/cpu) says threads wait for a core, so the copy takes "
+        "no core from vLLM; off, every chunk uses all copy threads.",
+    )
     block_kernel: bool = Field(
         True,
         description="Move scattered blocks with the streaming C kernel (built with the "

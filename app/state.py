@@ -502,7 +502,8 @@ def _assemble(
         threads, copy_rates = measure_copy_threads()
     configure_copy_threads(threads)
     kernel, kernel_note = _block_kernel(settings.block_kernel)
-    copier = CopyPool(threads, kernel, pressure=CpuPressure(), on_alone=telemetry.copies_alone.inc)
+    pressure = CpuPressure() if settings.copy_alone_when_busy else None
+    copier = CopyPool(threads, kernel, pressure=pressure, on_alone=telemetry.copies_alone.inc)
     registry = Registry()
     device = DevicePath(PoolPinning(pool.address, pool.capacity_bytes, enabled=settings.pin_pool))
     socket_path = settings.register_socket or default_socket_path(settings.port)

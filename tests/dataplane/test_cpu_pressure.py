@@ -98,3 +98,33 @@ def test_a_busy_host_gets_no_helper_and_a_quiet_one_does(tmp_path: Path) -> None
         assert len(alone) == 5
     finally:
         pool.close()
+
+
+class _AlwaysBusy(CpuPressure):
+    """The probe of a host where vLLM's threads always wait for a core."""
+
+    def busy(self) -> bool | None:
+        return True
+
+
+@pytest.mark.parametrize(("setting", "alone"), [(True, 3), (False, 0)])
+def test_the_server_copies_alone_on_a_busy_host_unless_told_not_to(
+    monkeypatch: pytest.MonkeyPatch, setting: bool, alone: int
+) -> None:
+    from app.settings import Settings
+    from app.state import build_runtime
+
+    monkeypatch.setattr("app.state.CpuPressure", _AlwaysBusy)
+    runtime = build_runtime(
+        Settings(
+            pool_size="16MiB", pool_prefault=False, copy_threads=2, copy_alone_when_busy=setting
+        )
+    )
+    try:
+        barrier = None if setting else threading.Barrier(2, timeout=10)
+        for _ in range(3):
+            threads = _threads_per_job(runtime.copier, 2, barrier)
+            assert len(threads) == (1 if setting else 2)
+        assert runtime.telemetry.copies_alone._value.get() == alone
+    finally:
+        runtime.close()
