@@ -9,7 +9,7 @@ vLLM's ``KVConnectorMetadata``). Tokens travel as base64 little-endian int32
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from contract.schemas import NULL_BLOCK_ID, TransferItem
 from contract.wire_text import wire_text
@@ -78,7 +78,6 @@ class StepPlan:
 
     loads: tuple[TransferOp, ...] = ()
     stores: tuple[TransferOp, ...] = ()
-    ended: tuple[str, ...] = field(default=())
     failed_loads: tuple[str, ...] = ()
     preempted: tuple[str, ...] = ()
 

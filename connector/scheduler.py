@@ -142,7 +142,7 @@ class SchedulerAdapter:
         except BaseException:
             close_links(self.links)
             raise
-        self._ended: list[str] = []  # sessions to end, carried by the next plan
+        self._ended: list[str] = []  # sessions to end, queued for the heartbeat by the next plan
         self._ending: list[str] = []  # sessions the heartbeat loop ends next
         self._ending_lock = threading.Lock()
         # Requests a plan carried stores for, until vLLM frees their blocks.
@@ -250,20 +250,19 @@ class SchedulerAdapter:
         self._planner.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
-        """This step's loads and stores (``connector.planning.StepPlanner``), the
-        sessions to end and the preempted requests whose stores may be in flight;
-        sends the lookups the step started and resets the per-step state. Loads are
-        always returned, whatever store planning met."""
+        """This step's loads and stores (``connector.planning.StepPlanner``) and the
+        preempted requests whose stores may be in flight; sends the lookups the step
+        started, queues the sessions of requests freed since the last plan for the
+        heartbeat to end, and resets the per-step state. Loads are always returned,
+        whatever store planning met."""
         self._lookups.send()
         loads, stores, failed_loads = self._planner.plan(scheduler_output, store=self.available)
-        ended = tuple(self._ended)
+        self._send_end(self._ended)
         self._ended.clear()
-        self._send_end(ended)
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
         plan = StepPlan(
             loads=tuple(loads),
             stores=tuple(stores),
-            ended=ended,
             failed_loads=tuple(failed_loads),
             preempted=tuple(rid for rid in preempted if rid in self._storing),
         )

@@ -43,7 +43,7 @@ from tests.connector.fakes import AttnSpec, FakeServer, Group
 def test_plan_pickles_and_touched_blocks() -> None:
     blocks = [[1, 2, 0, 4, 5, 6, 7, 8], [9, 10, 11]]
     op = TransferOp("r", 64, 128, encode_tokens(range(128)), blocks)
-    plan = StepPlan(loads=(op,), stores=(), ended=("x",))
+    plan = StepPlan(loads=(op,), stores=(), preempted=("x",))
     assert pickle.loads(pickle.dumps(plan)) == plan
     assert bool(plan) and not bool(StepPlan())
     # group 0 span 16: blocks 4..7 cover [64, 128); group 1 span 64: block 1

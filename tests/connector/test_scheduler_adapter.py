@@ -264,11 +264,10 @@ def test_only_requests_with_stores_delay_their_free(adapters: list[SchedulerAdap
 
     assert adapter.request_finished(b) == (False, None)  # no store: freed at once
     assert adapter.request_finished(a) == (True, None)
-    assert adapter.build_connector_meta(StepOutput()).ended == ("B",)
+    assert not adapter.build_connector_meta(StepOutput())  # B's end is the scheduler's
     wait_until(lambda: server.ended == ["B"])
     adapter.transfers_finished({"A"})  # ended at once, without waiting for a step
     wait_until(lambda: server.ended == ["B", "A"])
-    assert adapter.build_connector_meta(StepOutput()).ended == ()
 
 
 def test_a_prompt_like_one_whose_stores_are_landing_waits_for_them(
@@ -484,7 +483,7 @@ def test_steps_queue_ended_sessions_for_the_heartbeat_loop(
     monkeypatch.setattr(adapter.heartbeat, "wake", no_handover)
     for rid in ("A", "B"):
         adapter.request_finished(FakeRequest(rid, _tokens(10)))
-        assert adapter.build_connector_meta(StepOutput()).ended == (rid,)
+        assert not adapter.build_connector_meta(StepOutput())  # nothing for the workers
     assert server.ended == []
     adapter.heartbeat.start()
     wait_until(lambda: server.ended == ["A", "B"])
