@@ -14,7 +14,12 @@ that rotates round by round:
   (``bench.floor_connector``: the retrieve call is answered at once, all loaded):
   its hit is the floor set by vLLM's asynchronous-load steps and the connector
   before a byte moves, and ``mpcache``'s hit over it is what the copy adds. Its
-  outputs are wrong by design and are not compared.
+  outputs are wrong by design and are not compared;
+- ``connector-null``, with ``--null``: vLLM given a connector that does nothing
+  (``bench.null_connector``), its prefix cache off: its miss over ``none``'s is what
+  vLLM's connector path costs with no mpcache in it. ``vllm``'s miss over ``none``'s
+  (the same work: nothing is cached yet) says how far two engines doing the same
+  work differ in a run.
 
 After each mpcache engine, its server's mean store and retrieve call (``/metrics``,
 from receipt to reply) is read: what the copies cost beside the engine.
@@ -115,6 +120,12 @@ def _engine(spec: dict[str, Any]) -> None:
 
     kind = spec["engine"]
     kwargs = engine_kwargs(spec, prefix_caching=kind == "vllm")
+    if kind == "connector-null":
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "NullConnector",
+            "kv_connector_module_path": "bench.null_connector",
+            "kv_role": "kv_both",
+        }
     if kind.startswith("mpcache"):
         floor = kind == "mpcache-floor"
         kwargs["kv_transfer_config"] = {
@@ -264,6 +275,9 @@ FIGURES = (
     "mpcache 2048 tokens hit / vllm 2048 tokens hit",
     "mpcache multi-turn turn 2 / vllm multi-turn turn 2",
     "mpcache 2000 tokens miss / none 2000 tokens miss",
+    "vllm 2000 tokens miss / none 2000 tokens miss",
+    "connector-null 2000 tokens miss / none 2000 tokens miss",
+    "mpcache 2000 tokens miss / connector-null 2000 tokens miss",
     "mpcache-floor 2000 tokens hit / vllm 2000 tokens hit",
     "mpcache-floor 2000 tokens later hit / vllm 2000 tokens later hit",
     "mpcache 2000 tokens hit / mpcache-floor 2000 tokens hit",
@@ -365,6 +379,11 @@ def main() -> None:
         action="store_true",
         help="also run the engine mpcache-floor each round: loads that copy nothing",
     )
+    parser.add_argument(
+        "--null",
+        action="store_true",
+        help="also run the engine connector-null each round: a connector that does nothing",
+    )
     args = parser.parse_args()
     args.lengths = [int(n) for n in args.lengths.split(",")]
     if args.rounds < 5:
@@ -381,6 +400,7 @@ def main() -> None:
     )
     engines = ENGINES + (("mpcache-alt",) if args.compare_server_args else ())
     engines += ("mpcache-floor",) if args.floor else ()
+    engines += ("connector-null",) if args.null else ()
     rounds: list[dict[str, dict[str, Any]]] = []
     for index in range(args.rounds):
         prompts = _prompts(args, seed=index)
