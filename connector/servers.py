@@ -46,6 +46,9 @@ __all__ = [
 
 logger = logging.getLogger("mpcache.connector")
 
+_MAX_FAILURES_REMEMBERED = 16
+"""Distinct recovery failures remembered; past it they are all logged afresh."""
+
 
 class ServerLink:
     """A server URL, its blocking client, and this adapter's view of its health.
@@ -62,7 +65,7 @@ class ServerLink:
         self._lock = threading.Lock()
         self._healthy = False
         self._boot_id: str | None = None
-        self._last_failure: str | None = None
+        self._failures: set[str] = set()  # recovery failures logged since last healthy
         self._warned: set[str] = set()
 
     @property
@@ -78,7 +81,7 @@ class ServerLink:
             was = self._healthy
             self._healthy = True
             self._boot_id = boot_id
-            self._last_failure = None
+            self._failures.clear()
         if not was and recovered:
             logger.warning(
                 "mpcache %s: server %s is healthy again (boot_id %s); cache enabled",
@@ -127,10 +130,14 @@ class ServerLink:
         return False
 
     def note_recovery_failure(self, reason: str) -> None:
-        """Record a failed recovery; logged when the reason changes, not every ping."""
+        """Record a failed recovery; each reason is logged once until the server is
+        healthy again, not on every ping, nor again after a transient error (a
+        timeout) came between two of its pings."""
         with self._lock:
-            repeat = reason == self._last_failure
-            self._last_failure = reason
+            repeat = reason in self._failures
+            if len(self._failures) >= _MAX_FAILURES_REMEMBERED:
+                self._failures.clear()
+            self._failures.add(reason)
         if not repeat:
             logger.error(
                 "mpcache %s: cannot re-join server %s: %s; staying degraded, retrying "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import logging
 import pickle
 from types import SimpleNamespace
 from typing import Any
@@ -147,6 +148,27 @@ def test_which_failed_calls_make_a_server_suspect(
     assert link.healthy is not suspect
     once = [r for r in caplog.records if "reported once" in r.getMessage()]
     assert len(once) == (0 if suspect else 1)
+
+
+def test_a_recovery_failure_is_logged_once_until_the_server_is_healthy(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An operator sees "restart it with the same --chunk-size" once per outage, even
+    when a transient timeout comes between two of the heartbeat's re-join attempts."""
+    client = ControlClient(_URL, timeout_s=1, transport=FakeServer().transport())
+    link = ServerLink(_URL, client, role="test")
+    mismatch, timeout = "the server answers chunk size 112", "negotiate: timed out"
+    try:
+        with caplog.at_level(logging.ERROR, logger="mpcache.connector"):
+            for reason in (mismatch, mismatch, timeout, mismatch, timeout):
+                link.note_recovery_failure(reason)
+            logged = [r.getMessage() for r in caplog.records]
+            assert [mismatch in m for m in logged] == [True, False]
+            link.mark_healthy("boot")  # the outage ended: the next one is news
+            link.note_recovery_failure(mismatch)
+            assert len(caplog.records) == 3 and mismatch in caplog.records[-1].getMessage()
+    finally:
+        client.close()
 
 
 def test_negotiate_request_fits_the_schema() -> None:
