@@ -117,7 +117,7 @@ def test_the_server_copies_alone_on_a_busy_host_unless_told_not_to(
     monkeypatch.setattr("app.state.CpuPressure", _AlwaysBusy)
     runtime = build_runtime(
         Settings(
-            pool_size="16MiB", pool_prefault=False, copy_threads=2, copy_alone_when_busy=setting
+            pool_size="1MiB", pool_prefault=False, copy_threads=2, copy_alone_when_busy=setting
         )
     )
     try:
