@@ -1,7 +1,8 @@
 """Time to first token in a real vLLM CPU engine: an mpcache hit against vLLM's own.
 
-Three engines, each in a process of its own, started afresh every round in an order
-that rotates round by round:
+Three engines or more, each in a process of its own, all started afresh every round
+(one at a time, in an order that rotates round by round) and then driven in turn, a
+prompt at a time:
 
 - ``vllm``: no connector, vLLM's prefix cache on (a hit stays in vLLM's own cache);
 - ``mpcache``: ``MPCacheConnector`` against a fresh mpcache server, vLLM's prefix
@@ -21,7 +22,7 @@ that rotates round by round:
   (the same work: nothing is cached yet) says how far two engines doing the same
   work differ in a run.
 
-After each mpcache engine, its server's mean store and retrieve call (``/metrics``,
+After each round, each mpcache engine's server's mean store and retrieve call (``/metrics``,
 from receipt to reply) is read: what the copies cost beside the engine.
 
 Every engine runs the same cases with the round's prompts (random token ids),
@@ -34,7 +35,14 @@ and ``--turn2-new`` new tokens. Timed passes ask for one token, so a ``generate`
 call's wall time is its time to first token. An engine's TTFT for a case in a round
 is the median over its prompts: one pass each varied by more than the differences
 measured, so single passes gave run medians that did not come back on a rerun.
-Every engine gets the same CPU threads (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``:
+
+Engines take turns prompt by prompt (every engine runs prompt 1's cases, then every
+engine prompt 2's, the order rotating), ``--gap-s`` idle before each turn so that
+what the last engine left running (its server's stores) has settled: the engines
+compared in a round are timed within seconds of each other, not minutes apart, so
+the machine's drift over a round (other guests of its host) falls on all of them.
+Each engine's own passes follow each other as before, so a hit at once still comes
+right after its miss. Every engine gets the same CPU threads (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``:
 vLLM-CPU otherwise reserves one more core for an engine with a connector).
 
 Printed, per case: each engine's TTFT and the fewest tokens vLLM reports cached
@@ -46,15 +54,19 @@ each ratio taken within its round. Outputs of every pass are compared with the
     .venv/bin/python bench/ttft_bench.py [--rounds 5] [--lengths 2000,2048] [--floor]
 
 Needs the e2e venv (``.venv-e2e``, ``scripts/bootstrap_e2e_venv.sh``). A round takes
-about two minutes on a 2-core machine (three engine starts, five prompts of each case).
+about two minutes on a 2-core machine (three engine starts, five prompts of each case);
+the engines of a round are alive together (each holds 512 MiB of KV cache, each
+mpcache server a 1 GiB pool).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import select
 import statistics
 import subprocess
 import sys
@@ -116,6 +128,11 @@ def engine_kwargs(spec: dict[str, Any], *, prefix_caching: bool) -> dict[str, An
 
 
 def _engine(spec: dict[str, Any]) -> None:
+    """Start the engine, then run one prompt's cases per line read from stdin (its
+    index) and answer each with their results, a JSON line on the original stdout;
+    vLLM's own output (its worker's too) goes to stderr, the bench's log."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
     from vllm import LLM, SamplingParams
 
     kind = spec["engine"]
@@ -147,20 +164,22 @@ def _engine(spec: dict[str, Any]) -> None:
             "tokens": list(out.outputs[0].token_ids),
         }
 
-    results: dict[str, list[dict[str, Any]]] = {}
     generate(spec["warmup"], 4)
-    for i, (turn1, turn2_new) in enumerate(zip(spec["turn1"], spec["turn2_new"], strict=True)):
+    print("ready", file=replies)
+    for line in sys.stdin:
+        i = int(line)
+        results: dict[str, dict[str, Any]] = {}
         for name, prompts in spec["prompts"].items():
             prompt = prompts[i]
-            results.setdefault(f"{name} miss", []).append(generate(prompt))
-            results.setdefault(f"{name} hit", []).append(generate(prompt))
+            results[f"{name} miss"] = generate(prompt)
+            results[f"{name} hit"] = generate(prompt)
             time.sleep(spec["later_s"])
-            results.setdefault(f"{name} later hit", []).append(generate(prompt))
+            results[f"{name} later hit"] = generate(prompt)
+        turn1 = spec["turn1"][i]
         answer = generate(turn1, spec["answer_tokens"])["tokens"]
-        turn2 = generate(turn1 + answer + turn2_new)
-        turn2["shared"] = len(turn1) + len(answer)
-        results.setdefault("multi-turn turn 2", []).append(turn2)
-    Path(spec["results"]).write_text(json.dumps(results))
+        results["multi-turn turn 2"] = generate(turn1 + answer + spec["turn2_new"][i])
+        results["multi-turn turn 2"]["shared"] = len(turn1) + len(answer)
+        print(json.dumps(results), file=replies)
     llm.llm_engine.engine_core.shutdown()
 
 
@@ -240,22 +259,101 @@ def _server_call_ms(url: str) -> dict[str, float]:
     return means
 
 
-def _run_engine(python: Path, spec: dict[str, Any], log: Path) -> dict[str, Any]:
-    spec_file = Path(spec["results"]).with_suffix(".spec.json")  # too long for argv
-    spec_file.write_text(json.dumps(spec))
-    with log.open("ab") as out:
-        proc = subprocess.run(
-            [str(python), __file__, "engine", str(spec_file)],
-            cwd=ROOT,
-            env=engine_env(),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            timeout=900,
-        )
-    if proc.returncode != 0:
-        raise SystemExit(f"the {spec['engine']} engine failed (rc {proc.returncode}); see {log}")
-    samples: dict[str, list[dict[str, Any]]] = json.loads(Path(spec["results"]).read_text())
-    return {case: _case(runs) for case, runs in samples.items()}
+class _EngineProcess:
+    """One engine (``_engine``) in a process of its own, driven a prompt at a time."""
+
+    def __init__(self, python: Path, spec: dict[str, Any], log: Path) -> None:
+        self.name: str = spec["engine"]
+        spec_file = log.parent / f"{self.name}.spec.json"  # too long for argv
+        spec_file.write_text(json.dumps(spec))
+        self.log = log
+        with log.open("ab") as out:
+            self._proc = subprocess.Popen(
+                [str(python), __file__, "engine", str(spec_file)],
+                cwd=ROOT,
+                env=engine_env(),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=out,
+                text=True,
+            )
+        self.runs: dict[str, list[dict[str, Any]]] = {}
+
+    def _reply(self, timeout_s: float) -> str:
+        assert self._proc.stdout is not None
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
+        line = self._proc.stdout.readline() if ready else ""
+        if not line:
+            self.kill()
+            raise SystemExit(f"the {self.name} engine did not answer; see {self.log}")
+        return line
+
+    def wait_ready(self) -> None:
+        self._reply(600)
+
+    def run(self, prompt_index: int) -> None:
+        """Time prompt ``prompt_index``'s cases; keep their results."""
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(f"{prompt_index}\n")
+        self._proc.stdin.flush()
+        for case, run in json.loads(self._reply(600)).items():
+            self.runs.setdefault(case, []).append(run)
+
+    def close(self) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()
+        rc = self._proc.wait(timeout=120)
+        if rc != 0:
+            raise SystemExit(f"the {self.name} engine failed (rc {rc}); see {self.log}")
+
+    def kill(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def _round(
+    python: Path,
+    specs: dict[str, dict[str, Any]],
+    servers: dict[str, list[str]],
+    work: Path,
+    index: int,
+    gap_s: float,
+) -> dict[str, dict[str, Any]]:
+    """One round: every engine (and each mpcache engine's fresh server) started, one
+    at a time, then each prompt's cases timed in every engine in turn, the order
+    rotating prompt by prompt, ``gap_s`` idle before each engine's turn (what the
+    last one left running, e.g. its server's stores, settles)."""
+    from tests.support import server_process
+
+    log = work / "engines.log"
+    names = list(specs)
+    with contextlib.ExitStack() as stack:
+        urls: dict[str, str] = {}
+        engines: list[_EngineProcess] = []
+        for name in names:
+            spec = specs[name]
+            if name in servers:
+                urls[name], _ = stack.enter_context(server_process(*servers[name]))
+                spec = {**spec, "server_url": urls[name]}
+            engine = _EngineProcess(python, spec, log)
+            stack.callback(engine.kill)
+            engine.wait_ready()
+            engines.append(engine)
+        prompts = len(specs[names[0]]["turn1"])
+        for i in range(prompts):
+            turn = i % len(engines)
+            for engine in engines[turn:] + engines[:turn]:
+                time.sleep(gap_s)
+                engine.run(i)
+        results: dict[str, dict[str, Any]] = {}
+        for engine in engines:
+            engine.close()
+            (work / f"r{index}-{engine.name}.json").write_text(json.dumps(engine.runs))
+            results[engine.name] = {case: _case(runs) for case, runs in engine.runs.items()}
+            if engine.name in urls:
+                results[engine.name]["server calls"] = _server_call_ms(urls[engine.name])
+    return results
 
 
 def _case(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -360,6 +458,9 @@ def main() -> None:
     parser.add_argument(
         "--later-s", type=float, default=0.5, help="idle seconds before the later hit"
     )
+    parser.add_argument(
+        "--gap-s", type=float, default=0.2, help="idle seconds before each engine's turn"
+    )
     parser.add_argument("--chunk-size", type=int, default=256, help="the server's --chunk-size")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--layers", type=int, default=8)
@@ -390,10 +491,7 @@ def main() -> None:
         print(f"note: {args.rounds} rounds; figures want at least 5", file=sys.stderr)
 
     sys.path.insert(0, str(ROOT))
-    from tests.support import server_process
-
     python, work, shape = prepare_run(args, "mpcache-ttft-")
-    log = work / "engines.log"
     print(
         f"model: random Llama, {args.layers} layers, hidden {args.hidden}, 4 KV heads of 64, "
         f"{args.dtype}, block {args.block_size}; server --chunk-size {args.chunk_size}"
@@ -401,30 +499,27 @@ def main() -> None:
     engines = ENGINES + (("mpcache-alt",) if args.compare_server_args else ())
     engines += ("mpcache-floor",) if args.floor else ()
     engines += ("connector-null",) if args.null else ()
+    server_args = ["--chunk-size", str(args.chunk_size), "--pool-size", "1GiB"]
+    servers = {name: server_args for name in engines if name.startswith("mpcache")}
+    if args.compare_server_args:
+        servers["mpcache-alt"] = server_args + args.compare_server_args.split()
     rounds: list[dict[str, dict[str, Any]]] = []
     for index in range(args.rounds):
         prompts = _prompts(args, seed=index)
-        order = engines[index % len(engines) :] + engines[: index % len(engines)]
-        results: dict[str, dict[str, Any]] = {}
-        for engine in order:
-            spec = {
+        turn = index % len(engines)
+        order = engines[turn:] + engines[:turn]  # which starts first, and waits longest
+        specs = {
+            name: {
                 **prompts,
                 **shape,
-                "engine": engine,
+                "engine": name,
                 "model": str(work / "model"),
                 "block_size": args.block_size,
                 "executor": args.executor,
-                "results": str(work / f"r{index}-{engine}.json"),
             }
-            if engine.startswith("mpcache"):
-                server_args = ["--chunk-size", str(args.chunk_size), "--pool-size", "1GiB"]
-                if engine == "mpcache-alt":
-                    server_args += args.compare_server_args.split()
-                with server_process(*server_args) as (url, _):
-                    results[engine] = _run_engine(python, {**spec, "server_url": url}, log)
-                    results[engine]["server calls"] = _server_call_ms(url)
-            else:
-                results[engine] = _run_engine(python, spec, log)
+            for name in order
+        }
+        results = _round(python, specs, servers, work, index, args.gap_s)
         rounds.append(results)
         hit = results["mpcache"][f"{args.lengths[0]} tokens hit"]
         later = results["mpcache"][f"{args.lengths[0]} tokens later hit"]
