@@ -3,13 +3,16 @@
 Off the store path. The pool tells an ``EventRecorder`` (``dataplane.pool``'s
 ``EntryObserver``), under its lock, which whole chunks became visible or stopped
 being visible; the recorder only appends to a bounded queue (``--kv-events-queue``
-records) and never waits. One thread (``BlockPublisher``) drains it every ``TICK_S``:
-the ``BlockLedger`` turns what was recorded into the events of one batch, which the
-thread numbers, publishes (``contract.kv_events``: vLLM's wire format, on a ZMQ PUB
-socket, ``--kv-events-endpoint``), keeps for replay (``--kv-events-replay-endpoint``)
-and hands to the Redis mirror that ``POST /cluster/lookup`` reads
-(``app.cluster_lookup``). The ledger runs whether or not events are published: it is
-also this server's own answer to ``/cluster/lookup``.
+records) and never waits. One thread (``BlockPublisher``) drains it ``TICK_S`` after
+something was recorded (an idle server's thread sleeps until then: nothing on the
+host's cores while vLLM computes), and every ``TICK_S`` where a replay socket or the
+Redis mirror needs it awake: the ``BlockLedger`` turns what was recorded into the
+events of one batch, which the thread numbers, publishes (``contract.kv_events``:
+vLLM's wire format, on a ZMQ PUB socket, ``--kv-events-endpoint``), keeps for replay
+(``--kv-events-replay-endpoint``) and hands to the Redis mirror that
+``POST /cluster/lookup`` reads (``app.cluster_lookup``). The ledger runs whether or
+not events are published: it is also this server's own answer to
+``/cluster/lookup``.
 
 What is announced (block hashes: ``contract.chunk_keys.block_hashes``): a block is
 held when every rank of its registration's world size has committed it; it is
@@ -68,7 +71,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.02
-"""How often the publisher drains the recorder: events are at most this late."""
+"""How long after a record the publisher drains the recorder: events are at most
+this late, and a burst of stores makes one batch."""
 
 
 @dataclass(eq=False, slots=True)
@@ -111,6 +115,9 @@ class EventRecorder:
         self._records: deque[Record] = deque()
         self._capacity = capacity
         self.lost = 0
+        self.recorded = threading.Event()
+        """Set when a record arrives or is lost: wakes the publisher, which clears it
+        before it takes what was recorded."""
 
     def added(self, entry: Entry) -> None:
         self._put(True, entry)
@@ -123,8 +130,10 @@ class EventRecorder:
             return
         if len(self._records) >= self._capacity:
             self.lost += 1
-            return
-        self._records.append((present, entry))
+        else:
+            self._records.append((present, entry))
+        if not self.recorded.is_set():  # the lock only when the publisher may sleep
+            self.recorded.set()
 
     def take(self) -> list[Record]:
         """What was recorded so far, oldest first (the publisher's thread)."""
@@ -366,9 +375,9 @@ class ZmqSink:
         self._buffer.append((seq, payload))
 
     def serve_replay(self, timeout_s: float) -> None:
-        """Answer the replay requests that arrive within ``timeout_s`` (else sleep it)."""
+        """Answer the replay requests that arrive within ``timeout_s`` (none without a
+        replay socket)."""
         if self._replay is None:
-            time.sleep(timeout_s)
             return
         if not self._replay.poll(int(timeout_s * 1000)):
             return
@@ -446,6 +455,7 @@ class BlockPublisher:
     def close(self) -> None:
         """Publish what is left and ``AllBlocksCleared`` (the pool is closed), then stop."""
         self._stop.set()
+        self._recorder.recorded.set()  # wake a thread waiting for a record
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -483,13 +493,23 @@ class BlockPublisher:
             except zmq.ZMQError:
                 logger.exception("KV events: batch %d not sent", seq)
 
+    def _wait(self) -> None:
+        """Until the next tick: ``TICK_S`` answering replay requests where there is a
+        replay socket; else until something is recorded and ``TICK_S`` more (what the
+        moment's stores record joins the batch), at most ``TICK_S`` with a mirror to
+        renew."""
+        sink = self._sink
+        if sink is not None and sink.replay_endpoint is not None:
+            sink.serve_replay(TICK_S)
+            return
+        if self._recorder.recorded.wait(None if self.mirror is None else TICK_S):
+            self._stop.wait(TICK_S)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                if self._sink is not None:
-                    self._sink.serve_replay(TICK_S)
-                else:
-                    self._stop.wait(TICK_S)
+                self._wait()
+                self._recorder.recorded.clear()
                 self.tick()
             except Exception:  # the publisher must outlive any surprise
                 logger.exception("KV events: publisher step failed")
