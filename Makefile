@@ -49,6 +49,7 @@ docs: venv
 # the `result:` lines docs/benchmarks.md quotes.
 bench: venv e2e-venv
 	$(PY) bench/negotiate_bench.py
+	$(PY) bench/idle_cpu_bench.py
 	$(PY) bench/hash_bench.py
 	$(PY) bench/dataplane_bench.py
 	$(PY) bench/prefault_bench.py
