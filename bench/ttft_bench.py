@@ -38,7 +38,12 @@ measured, so single passes gave run medians that did not come back on a rerun.
 
 Engines take turns prompt by prompt (every engine runs prompt 1's cases, then every
 engine prompt 2's, the order rotating), ``--gap-s`` idle before each turn so that
-what the last engine left running (its server's stores) has settled: the engines
+what the last engine left running has settled. That is mostly vLLM's own: after
+its last step an engine's worker keeps polling vLLM's shared-memory message queue
+for one second (``SpinCondition``'s busy loop in vLLM's ``shm_broadcast``), a whole
+core of this 2-core machine, so a gap shorter than that (0.2 s before 2026-12-07)
+had the next engine's miss and hit share the cores with it; 1.5 s also lets the
+last mpcache server's stores land. The engines
 compared in a round are timed within seconds of each other, not minutes apart, so
 the machine's drift over a round (other guests of its host) falls on all of them.
 Each engine's own passes follow each other as before, so a hit at once still comes
@@ -459,7 +464,10 @@ def main() -> None:
         "--later-s", type=float, default=0.5, help="idle seconds before the later hit"
     )
     parser.add_argument(
-        "--gap-s", type=float, default=0.2, help="idle seconds before each engine's turn"
+        "--gap-s",
+        type=float,
+        default=1.5,
+        help="idle seconds before each engine's turn (longer than vLLM's 1 s of polling)",
     )
     parser.add_argument("--chunk-size", type=int, default=256, help="the server's --chunk-size")
     parser.add_argument("--block-size", type=int, default=32)
