@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
-from pydantic import BaseModel
+from pydantic import BaseModel, ByteSize
 from pydantic.json_schema import models_json_schema
 from starlette.routing import Route
 
@@ -112,13 +112,17 @@ def _startup_summary(runtime: Runtime) -> None:
     status = runtime.coordinator.status()
     rates = ", ".join(f"{n}: {gbps:.1f} GB/s" for n, gbps in runtime.copy_rates.items())
     logger.info(
-        "blend matcher %s; coordinator %s; L2 %s; deployment %r; copy threads %d (%s); %s; %s; %s",
+        "blend matcher %s; coordinator %s; L2 %s; deployment %r; copy threads %d (%s), "
+        "each taking %s of a chunk at least; %s; %s; %s",
         "on" if s.enable_blend else "off",
         f"{status.url} ({cluster.coordinator})" if status.url else "standalone",
         f"{runtime.l2.url} ({cluster.l2})" if runtime.l2 is not None else "off",
         cluster.deployment,
         runtime.copier.threads,
         f"measured {rates}" if rates else "--copy-threads",
+        ByteSize(runtime.copier.share_bytes).human_readable()
+        if runtime.copier.share_bytes
+        else "any part",
         streaming.describe(os.environ),
         runtime.block_kernel,
         runtime.key_chain,

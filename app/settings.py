@@ -224,6 +224,15 @@ class Settings(BaseSettings):
         description="Threads one chunk's copy may use; 0: measured at start (the fastest "
         "of 1, 2, 4, 8 up to the core count).",
     )
+    copy_share: ByteSize = Field(
+        "2MiB",
+        validate_default=True,
+        ge=0,
+        description="Least bytes of one chunk's copy each copy thread takes: a chunk "
+        "under twice this is copied by one thread, since waking a helper costs more "
+        "than it saves (bench/copy_share_bench.py); 0: every chunk uses every copy "
+        "thread.",
+    )
     copy_alone_when_busy: bool = Field(
         True,
         description="Copy a chunk with the calling thread alone while Linux's CPU "

@@ -503,7 +503,13 @@ def _assemble(
     configure_copy_threads(threads)
     kernel, kernel_note = _block_kernel(settings.block_kernel)
     pressure = CpuPressure() if settings.copy_alone_when_busy else None
-    copier = CopyPool(threads, kernel, pressure=pressure, on_alone=telemetry.copies_alone.inc)
+    copier = CopyPool(
+        threads,
+        kernel,
+        share_bytes=int(settings.copy_share),
+        pressure=pressure,
+        on_alone=telemetry.copies_alone.inc,
+    )
     registry = Registry()
     device = DevicePath(PoolPinning(pool.address, pool.capacity_bytes, enabled=settings.pin_pool))
     socket_path = settings.register_socket or default_socket_path(settings.port)

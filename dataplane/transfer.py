@@ -193,7 +193,11 @@ class CopyPool:
     With ``pressure`` (``dataplane.cpu_pressure``; the pool closes it), a chunk wakes
     no helper while threads on the host wait for a core, so a copy does not take
     one from vLLM's step; ``on_alone`` is called for each chunk the caller then
-    copies alone that helpers would have shared. numpy and the kernel release
+    copies alone that helpers would have shared. A chunk gives each thread at least
+    ``share_bytes`` (``run``'s ``nbytes``): waking a helper and waiting for it costs
+    tens of microseconds, more than it saves on a small chunk (bench/
+    copy_share_bench.py), so a chunk under twice that is the caller's alone. numpy
+    and the kernel release
     the GIL while they move bytes, so jobs copy in parallel. Copies are memory-bound:
     the right count depends on the machine's memory system, not its core count, so
     the server measures it at start (``measure_copy_threads``; ``--copy-threads``
@@ -209,11 +213,13 @@ class CopyPool:
         threads: int = 1,
         kernel: BlockCopier | None = None,
         *,
+        share_bytes: int = 0,
         pressure: CpuPressure | None = None,
         on_alone: Callable[[], None] | None = None,
     ) -> None:
         self.threads = max(1, threads)
         self.kernel = kernel
+        self.share_bytes = max(0, share_bytes)
         self._pressure = pressure
         self._on_alone = on_alone
         self._helpers = (
@@ -228,10 +234,10 @@ class CopyPool:
         helper's share."""
         return 1 if self.threads == 1 else JOBS_PER_THREAD * self.threads
 
-    def run(self, jobs: Sequence[Callable[[], int]]) -> int:
-        """Run ``jobs`` (each returns bytes copied) on the caller and the helpers that
-        get to them; their sum."""
-        helpers = self._helpers_for(len(jobs))
+    def run(self, jobs: Sequence[Callable[[], int]], nbytes: int | None = None) -> int:
+        """Run ``jobs`` (each returns bytes copied, ``nbytes`` in all where known) on
+        the caller and the helpers that get to them; their sum."""
+        helpers = self._helpers_for(len(jobs), nbytes)
         if self._helpers is None or helpers == 0:
             return sum(job() for job in jobs)
         queue = _Jobs(jobs)
@@ -253,10 +259,14 @@ class CopyPool:
             raise error
         return total
 
-    def _helpers_for(self, jobs: int) -> int:
-        """Helpers to wake for ``jobs`` jobs: one fewer threads than jobs at most, and
-        none while the host's threads wait for a core."""
-        helpers = min(self.threads, jobs) - 1
+    def _helpers_for(self, jobs: int, nbytes: int | None) -> int:
+        """Helpers to wake for ``jobs`` jobs of ``nbytes``: one fewer threads than jobs
+        at most, fewer than ``share_bytes`` a thread never, and none while the host's
+        threads wait for a core."""
+        threads = min(self.threads, jobs)
+        if nbytes is not None and self.share_bytes:
+            threads = min(threads, nbytes // self.share_bytes)
+        helpers = threads - 1
         if helpers <= 0 or self._pressure is None or not self._pressure.busy():
             return max(0, helpers)
         if self._on_alone is not None:
@@ -447,7 +457,7 @@ class _ChunkCopy:
             self.jobs += _stream_jobs(
                 key, plans, kernel, self.entry_bytes, blocks, self.pool.pieces, store=store
             )
-        return self.pool.run(self.jobs)
+        return self.pool.run(self.jobs, self.entry_bytes.numel())
 
 
 def _stream_jobs(
