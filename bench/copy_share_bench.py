@@ -8,8 +8,9 @@ KV layout (8 layers, K and V, bfloat16, block 32, head 64, chunk 256, with 4 to 
 KV heads: 2 to 32 MiB a chunk), stored (``gather_chunk``) and retrieved
 (``scatter_chunk``) in blocks that run in order, as vLLM hands out fresh ones, by
 three copy pools taking turns, each copying the chunks one after another as a call
-does (three turns a round, each pool first in one, as the chunks' bytes are in the
-cache for the pools after the first):
+does (six turns a round, one in each order of the pools: the chunks' bytes are in the
+cache for the pools after the first, and a split pool's helpers are still winding
+down for the pool after it):
 
 - ``1 thread``: the baseline;
 - ``N threads``: every chunk split across ``--threads`` threads (``--copy-share 0``);
@@ -27,6 +28,7 @@ with the machine load.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -108,9 +110,10 @@ def main() -> None:
 
             for r in range(max(MIN_ROUNDS, args.rounds) + 1):  # round 0 warms up
                 times: dict[str, list[float]] = {}
-                turn = list(pools.items())
-                for first in range(len(turn)):  # each pool goes first once a round
-                    for name, pool in turn[first:] + turn[:first]:
+                # Every order once a round: each pool goes first, and follows each
+                # other pool (a split pool's helpers still hold a core), equally often.
+                for order in itertools.permutations(pools.items()):
+                    for name, pool in order:
                         for way, copy in (("store", gather_chunk), ("retrieve", scatter_chunk)):
                             ms = _ms_per_chunk(copy, plans, entries, pool)
                             times.setdefault(f"{size} {way}, {name}", []).append(ms)
