@@ -49,17 +49,19 @@ LAYERS, BLOCK, HEAD, CHUNK = 8, 32, 64, 256
 HEADS = (4, 8, 16, 32, 64)
 """KV heads per size: 2, 4, 8, 16 and 32 MiB a chunk."""
 PER_CHUNK = CHUNK // BLOCK
-FIGURES = tuple(
-    f"{size} MiB {way}, {pools} / {size} MiB {way}, 1 thread"
-    for way in ("retrieve", "store")
-    for size, pools in (
-        (2, "default"),
-        (2, "2 threads"),
-        (4, "2 threads"),
-        (8, "2 threads"),
-        (32, "default"),
-        (32, "2 threads"),
-    )
+FIGURES = (
+    "2 MiB retrieve, default / 2 MiB retrieve, 1 thread",
+    "2 MiB retrieve, 2 threads / 2 MiB retrieve, 1 thread",
+    "4 MiB retrieve, 2 threads / 4 MiB retrieve, 1 thread",
+    "8 MiB retrieve, 2 threads / 8 MiB retrieve, 1 thread",
+    "32 MiB retrieve, default / 32 MiB retrieve, 1 thread",
+    "32 MiB retrieve, 2 threads / 32 MiB retrieve, 1 thread",
+    "2 MiB store, default / 2 MiB store, 1 thread",
+    "2 MiB store, 2 threads / 2 MiB store, 1 thread",
+    "4 MiB store, 2 threads / 4 MiB store, 1 thread",
+    "8 MiB store, 2 threads / 8 MiB store, 1 thread",
+    "32 MiB store, default / 32 MiB store, 1 thread",
+    "32 MiB store, 2 threads / 32 MiB store, 1 thread",
 )
 """What docs/benchmarks.md quotes (bench/common.py ``results``), for ``--threads 2``."""
 
