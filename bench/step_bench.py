@@ -1,15 +1,19 @@
 """How long vLLM's engine step waits on the connector, in a real vLLM CPU engine.
 
-Two engines a round, each in a process of its own, started afresh every round in an
-order that alternates round by round, with bench/ttft_bench.py's model and settings
-(a random Llama of 8 layers, block 32, 2000-token prompts, the same OpenMP threads
-for both: ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``):
+Two engines a round (three with ``--compare-server-args``), each in a process of
+its own, started afresh every round in an order that rotates round by round, with
+bench/ttft_bench.py's model and settings (a random Llama of 8 layers, block 32,
+2000-token prompts, the same OpenMP threads for all: ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``):
 
 - ``mpcache``: the connector against a fresh mpcache server (chunk 256), vLLM's
   prefix cache off, loaded as ``bench.timed_connector.TimedMPCacheConnector``: the
   shipped ``MPCacheConnector`` with every worker-side call vLLM makes on its step
   timed (that module lists them and says what a step is);
-- ``vllm``: no connector, vLLM's prefix cache on.
+- ``vllm``: no connector, vLLM's prefix cache on;
+- ``mpcache-alt``, with ``--compare-server-args ARGS``: ``mpcache`` again, its
+  server given ARGS, so that a server setting's effect on R's decode is compared
+  round by round (its per-step records are kept apart: the per-step figures are
+  ``mpcache``'s).
 
 Both run the same work, after a warm-up prompt:
 
@@ -78,6 +82,7 @@ from bench.ttft_bench import VOCAB_SIZE, engine_env, engine_kwargs, make_model, 
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ("mpcache", "vllm")
+ALT = "mpcache-alt"
 OTHER_TOKENS = 4
 ARRIVAL_EVERY = 8  # R's tokens between two arrivals (the first at this many)
 RECORDS_ENV = "MPCACHE_STEP_RECORDS"  # bench.timed_connector.RECORDS_ENV (imports vLLM)
@@ -153,7 +158,7 @@ def _engine(spec: dict[str, Any]) -> None:
 
     kind = spec["engine"]
     kwargs = engine_kwargs(spec, prefix_caching=kind == "vllm")
-    if kind == "mpcache":
+    if kind.startswith("mpcache"):
         kwargs["kv_transfer_config"] = {
             "kv_connector": "TimedMPCacheConnector",
             "kv_connector_module_path": "bench.timed_connector",
@@ -264,6 +269,8 @@ FIGURES = (
     "mpcache R ms per token outside prefills / vllm R ms per token outside prefills",
     "vllm R ms per token",
     "mpcache R ms per token",
+    "mpcache R ms per token / mpcache-alt R ms per token",
+    "mpcache-alt R ms per token / vllm R ms per token",
 )
 """What docs/benchmarks.md quotes (bench/common.py ``results``): per-step sums of the
 worker's connector calls in ms (each round's p90 or max), R's decode time per token
@@ -300,7 +307,7 @@ def _report(rounds: list[dict[str, Any]]) -> str:
     for r in rounds:
         _step_figures(table, r["steps"])
         all_steps += r["steps"]
-        for engine in ENGINES:
+        for engine in (e for e in (*ENGINES, ALT) if e in r):
             decode = r[engine]["decode"]
             table.add(f"{engine} R ms per token", decode["ms_per_token"])
             outside = decode["ms_per_token_outside_prefills"]
@@ -319,12 +326,16 @@ def _report(rounds: list[dict[str, Any]]) -> str:
         lines.append(f"where the time went, {kind} (all rounds' steps, ms): ")
         lines[-1] += _calls(all_steps, selects) or "none"
     mismatched = [
-        (i, case)
+        (i, engine, case)
         for i, r in enumerate(rounds)
-        for case, ids in r["mpcache"]["outputs"].items()
+        for engine in ("mpcache", ALT)
+        if engine in r
+        for case, ids in r[engine]["outputs"].items()
         if case != "decode R" and ids != r["vllm"]["outputs"].get(case)
     ]
-    lines.append(f"outputs differing between the engines (round, case): {mismatched or 'none'}")
+    lines.append(
+        f"outputs differing from the vllm engine's (round, engine, case): {mismatched or 'none'}"
+    )
     agree = [
         _agreeing(r["mpcache"]["outputs"]["decode R"], r["vllm"]["outputs"]["decode R"])
         for r in rounds
@@ -355,6 +366,10 @@ def _round_line(index: int, results: dict[str, Any]) -> str:
         kind: max((s["ms"] for s in results["steps"] if selects(s)), default=math.nan)
         for kind, selects in KINDS.items()
     }
+    alt = ""
+    if ALT in results:
+        ms = results[ALT]["decode"]["ms_per_token"]
+        alt = f"; {ALT} {ms:.1f} = {ms / base['ms_per_token']:.3f} of vllm's"
     return (
         f"round {index + 1}: R ms per token, mpcache / vllm: {pair('ms_per_token')} = "
         f"{mp['ms_per_token'] / base['ms_per_token']:.3f}; outside prefills "
@@ -363,7 +378,7 @@ def _round_line(index: int, results: dict[str, Any]) -> str:
         f"({mp['tokens']} tokens, {mp['prefill_steps']} prefills; longest gap "
         f"{pair('max_gap_ms')}; R alone after {pair('alone_ms_per_token')}); connector max per "
         f"step: stores {worst['steps that store']:.1f}, loads {worst['steps that load']:.1f}, "
-        f"all {worst['all steps']:.1f} ms ({len(results['steps'])} steps)"
+        f"all {worst['all steps']:.1f} ms ({len(results['steps'])} steps){alt}"
     )
 
 
@@ -390,6 +405,12 @@ def main() -> None:
     parser.add_argument("--executor", default="mp", help="vLLM's distributed_executor_backend")
     parser.add_argument("--e2e-venv", type=Path, default=ROOT / ".venv-e2e")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
+    parser.add_argument(
+        "--compare-server-args",
+        metavar="ARGS",
+        default="",
+        help=f"also run the engine {ALT} each round, its server given ARGS",
+    )
     args = parser.parse_args()
     if args.quick:
         args.requests, args.others, args.r_tokens = 1, 2, 48
@@ -410,11 +431,15 @@ def main() -> None:
         f"{args.requests} prompts passed twice, R ({args.r_prompt}-token prompt, "
         f"{args.r_tokens} tokens) with {args.others} arrivals, {args.prompt_tokens} tokens each"
     )
+    engines = ENGINES + ((ALT,) if args.compare_server_args else ())
+    server_args = ["--chunk-size", str(args.chunk_size), "--pool-size", "1GiB"]
+    servers = {"mpcache": server_args, ALT: server_args + args.compare_server_args.split()}
     rounds: list[dict[str, Any]] = []
     for index in range(args.rounds):
         prompts = _prompts(args, seed=index)
         results: dict[str, Any] = {}
-        for engine in ENGINES[index % 2 :] + ENGINES[: index % 2]:
+        first = index % len(engines)
+        for engine in engines[first:] + engines[:first]:
             spec = {
                 **prompts,
                 **shape,
@@ -424,13 +449,13 @@ def main() -> None:
                 "executor": args.executor,
                 "results": str(work / f"r{index}-{engine}.json"),
             }
-            if engine == "mpcache":
-                records = work / f"r{index}-steps.jsonl"
+            if engine in servers:
+                records = work / f"r{index}-{engine}-steps.jsonl"
                 spec["records"] = str(records)
-                server_args = ("--chunk-size", str(args.chunk_size), "--pool-size", "1GiB")
-                with server_process(*server_args) as (url, _):
+                with server_process(*servers[engine]) as (url, _):
                     results[engine] = _run_engine(python, {**spec, "server_url": url}, log)
-                results["steps"] = _steps(records)
+                if engine == "mpcache":
+                    results["steps"] = _steps(records)
             else:
                 results[engine] = _run_engine(python, spec, log)
         rounds.append(results)
