@@ -16,17 +16,27 @@ from tests.dataplane.support import attention_plans
 
 
 def _threads(pool: CopyPool, nbytes: int | None, *, expect_helper: bool) -> set[int]:
-    """The threads that ran 4 jobs of ``nbytes`` in all; with a helper expected, the
-    jobs wait for two threads at once (so the caller cannot take them all)."""
+    """The threads that ran 4 jobs of ``nbytes`` in all. With a helper expected, the
+    jobs wait for two threads at once (so the caller cannot take them all); without,
+    the caller's first job waits a while for another thread to take one, so a helper
+    woken by mistake is seen."""
     seen: set[int] = set()
     lock = threading.Lock()
     barrier = threading.Barrier(2, timeout=10) if expect_helper else None
+    helped = threading.Event()
+    caller = threading.get_ident()
 
     def job() -> int:
+        me = threading.get_ident()
         with lock:
-            seen.add(threading.get_ident())
+            first = not seen
+            seen.add(me)
         if barrier is not None:
             barrier.wait()
+        elif me != caller:
+            helped.set()
+        elif first:
+            helped.wait(0.5)
         return 1
 
     assert pool.run([job] * 4, nbytes) == 4
