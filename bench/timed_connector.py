@@ -31,6 +31,12 @@ step's plan (``MPCacheConnectorMetadata.plan``, 0 if the metadata has no such pl
 after the clear's own time is taken, so writing it is not counted. Only the worker
 role records: the scheduler-role instance runs in the engine core, where vLLM calls
 ``get_kv_connector_stats`` too.
+
+With ``MPCACHE_STEP_CPU=1`` as well, each record also has ``"stalled_ms"``: the part
+of ``ms`` the host took (``host_stall_ms``, summed over the step's calls). A call's
+thread then reads its CPU time and context switches before and after the call, and
+outside its timed span: about 3 us of syscalls on each side, on vLLM's thread, which
+``ms`` does not count but the step's wall time does.
 """
 
 from __future__ import annotations
@@ -38,17 +44,26 @@ from __future__ import annotations
 import functools
 import json
 import os
+import resource
 import time
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from connector.mp_connector import MPCacheConnector
 
-__all__ = ["RECORDS_ENV", "STEP_CALLS", "TimedMPCacheConnector"]
+__all__ = [
+    "CPU_ENV",
+    "RECORDS_ENV",
+    "STEP_CALLS",
+    "ThreadClock",
+    "TimedMPCacheConnector",
+    "host_stall_ms",
+]
 
 RECORDS_ENV = "MPCACHE_STEP_RECORDS"
+CPU_ENV = "MPCACHE_STEP_CPU"
 
 STEP_CALLS = (
     "handle_preemptions",
@@ -69,6 +84,35 @@ STEP_CALLS = (
 """The worker-side methods vLLM 0.32 calls on an engine step (module docstring)."""
 
 
+class ThreadClock(NamedTuple):
+    """The calling thread's CPU time (s) and context switches, voluntary or not."""
+
+    cpu_s: float
+    switches: int
+
+    @classmethod
+    def read(cls) -> ThreadClock:
+        usage = resource.getrusage(resource.RUSAGE_THREAD)
+        return cls(time.thread_time(), usage.ru_nvcsw + usage.ru_nivcsw)
+
+
+def host_stall_ms(wall_s: float, before: ThreadClock, after: ThreadClock) -> float:
+    """Of a call's ``wall_s``, the ms its thread lost to the host, not to the call.
+
+    A thread that made no context switch during the call neither waited (a lock, the
+    GIL, a socket: each puts it to sleep) nor was preempted by another thread of
+    this machine: it held its CPU throughout. Wall time past its CPU time then went
+    where the guest kernel does not bill the thread: the hypervisor ran something
+    else on the virtual CPU (steal), or interrupts were handled. A thread that
+    switched may have waited on the connector, so none of its time is called a
+    stall (0.0). ``before`` is read before the call's clock starts and ``after``
+    once it stops, so the CPU time they span covers the wall time measured.
+    """
+    if after.switches != before.switches:
+        return 0.0
+    return max(0.0, wall_s - (after.cpu_s - before.cpu_s)) * 1e3
+
+
 def _count(meta: object, field: str) -> int:
     plan = getattr(meta, "plan", None)
     return len(getattr(plan, field, ()) or ())
@@ -80,24 +124,30 @@ class TimedMPCacheConnector(MPCacheConnector):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._step_calls: dict[str, list[float]] = {}
         self._step_ms = 0.0
+        self._step_stalled_ms = 0.0
         self._step_plan = (0, 0)
         self._depth = 0
         self._records: IO[str] | None = None
+        self._cpu = False
         super().__init__(*args, **kwargs)
         path = os.environ.get(RECORDS_ENV)
         if path and self.role == KVConnectorRole.WORKER:
             self._records = open(path, "a", buffering=1)  # noqa: SIM115 (closed in shutdown)
+            self._cpu = os.environ.get(CPU_ENV) == "1"
 
     def _end_step(self) -> None:
         loads, stores = self._step_plan
-        record = {
+        record: dict[str, Any] = {
             "ms": self._step_ms,
             "calls": self._step_calls,
             "loads": loads,
             "stores": stores,
             "t": time.time(),
         }
+        if self._cpu:
+            record["stalled_ms"] = self._step_stalled_ms
         self._step_calls, self._step_ms, self._step_plan = {}, 0.0, (0, 0)
+        self._step_stalled_ms = 0.0
         if self._records is not None:
             self._records.write(json.dumps(record) + "\n")
 
@@ -116,11 +166,15 @@ def _timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         if name == "bind_connector_metadata" and args:
             self._step_plan = (_count(args[0], "loads"), _count(args[0], "stores"))
         self._depth += 1
+        before = ThreadClock.read() if self._cpu else None
         begin = time.perf_counter()
         try:
             return method(self, *args, **kwargs)
         finally:
-            ms = (time.perf_counter() - begin) * 1e3
+            wall_s = time.perf_counter() - begin
+            if before is not None:
+                self._step_stalled_ms += host_stall_ms(wall_s, before, ThreadClock.read())
+            ms = wall_s * 1e3
             self._depth -= 1
             self._step_ms += ms
             entry = self._step_calls.setdefault(name, [0, 0.0])

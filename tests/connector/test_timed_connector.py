@@ -111,3 +111,90 @@ def test_one_record_per_step_with_its_calls_and_plan(
     assert first["ms"] == pytest.approx(sum(ms for _, ms in first["calls"].values()))
     assert (second["loads"], second["stores"]) == (0, 0)
     assert set(second["calls"]) == {"bind_connector_metadata", "clear_connector_metadata"}
+    assert "stalled_ms" not in first  # only with MPCACHE_STEP_CPU=1
+
+
+@pytest.mark.vllm
+def test_with_cpu_reads_each_record_says_what_of_its_time_the_host_took(
+    tiny_model_dir: Path, fake_server: FakeServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from connector import MPCacheConnectorMetadata
+    from connector.metadata import StepPlan
+
+    records = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("MPCACHE_STEP_RECORDS", str(records))
+    monkeypatch.setenv("MPCACHE_STEP_CPU", "1")
+    worker = _timed_connector(tiny_model_dir, fake_server, "worker")
+    try:
+        for _ in range(3):
+            worker.bind_connector_metadata(MPCacheConnectorMetadata(StepPlan()))
+            worker.start_load_kv(None)
+            worker.wait_for_save()
+            worker.clear_connector_metadata()
+    finally:
+        worker.shutdown()
+    steps = [json.loads(line) for line in records.read_text().splitlines()]
+    assert len(steps) == 3
+    for step in steps:
+        assert 0.0 <= step["stalled_ms"] <= step["ms"]
+
+
+@pytest.mark.vllm
+def test_a_call_that_never_switched_lost_its_wall_time_past_its_cpu_time_to_the_host() -> None:
+    require_vllm()
+    from bench.timed_connector import ThreadClock, host_stall_ms
+
+    before = ThreadClock(cpu_s=1.0, switches=7)
+    held = ThreadClock(cpu_s=1.0005, switches=7)  # 0.5 ms of CPU, no switch
+    assert host_stall_ms(0.003, before, held) == pytest.approx(2.5)
+    # A thread that switched may have waited on the connector: nothing is the host's.
+    assert host_stall_ms(0.003, before, ThreadClock(cpu_s=1.0005, switches=8)) == 0.0
+    # The CPU reads span the wall clock's, so CPU time may exceed it: no stall.
+    assert host_stall_ms(0.0004, before, held) == 0.0
+
+
+@pytest.mark.vllm
+def test_the_thread_clock_sees_a_wait_as_a_switch_and_work_as_cpu_time() -> None:
+    require_vllm()
+    import threading
+    import time
+
+    from bench.timed_connector import ThreadClock, host_stall_ms
+
+    before = ThreadClock.read()
+    threading.Event().wait(0.02)  # sleeps: a voluntary switch
+    after = ThreadClock.read()
+    assert after.switches > before.switches
+    assert host_stall_ms(0.02, before, after) == 0.0
+
+    before = ThreadClock.read()
+    end = time.perf_counter() + 0.02
+    while time.perf_counter() < end:  # bounded busy work
+        pass
+    after = ThreadClock.read()
+    assert after.cpu_s - before.cpu_s > 0.005
+
+
+def test_host_steal_is_read_from_proc_stat_in_ms(tmp_path: Path) -> None:
+    import os
+
+    from bench.step_bench import host_steal_ms
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 20 900 5 0 1 250 0 0\ncpu0 50 0 10 450 2 0 1 125 0 0\n")
+    assert host_steal_ms(stat) == pytest.approx(250 * 1e3 / os.sysconf("SC_CLK_TCK"))
+    stat.write_text("intr 1 2 3\n")
+    assert host_steal_ms(stat) is None
+    assert host_steal_ms(tmp_path / "missing") is None
+
+
+def test_a_step_past_the_bound_counts_as_the_connectors_only_past_the_hosts_stalls() -> None:
+    from bench.step_bench import past_max
+
+    steps = [
+        {"ms": 4.4, "stalled_ms": 4.2},  # the host took it
+        {"ms": 3.0, "stalled_ms": 0.5},  # 2.5 ms of the connector's own
+        {"ms": 2.5},  # a plain run's record: not known, counted as the connector's
+        {"ms": 0.3, "stalled_ms": 0.0},
+    ]
+    assert past_max(steps) == (3, 2)
