@@ -49,6 +49,7 @@ TOOLING_VARIABLES = frozenset(
         "MPCACHE_E2E_DISK",  # tests/e2e: every server with the disk tier on
         "MPCACHE_VENV_CACHE",  # scripts/bootstrap_*.sh: where venvs are cached
         "MPCACHE_STEP_RECORDS",  # bench/step_bench.py: where the timed connector writes
+        "MPCACHE_STEP_CPU",  # bench/step_bench.py --host-stalls: the timed connector's reads
     }
 )
 """``MPCACHE_*`` variables of the project's own tooling, not server settings. Test
