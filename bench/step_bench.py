@@ -366,18 +366,19 @@ def _report(rounds: list[dict[str, Any]]) -> str:
             table.add(f"{engine} R ms per token outside prefills", outside)
     lines = [f"{'connector ms per step (worker)':<34}{'median':>22}{'p90':>22}{'max':>22}  steps"]
     stalls = "connector ms per step less host stalls, all steps"
-    for kind in (*KINDS, "all steps less host stalls"):
-        name = stalls if kind not in KINDS else f"connector ms per step, {kind}"
+    measured = f"{stalls}, p90" in table.values  # a --host-stalls run
+    rows = [(kind, f"connector ms per step, {kind}") for kind in KINDS]
+    rows += [("all steps less host stalls", stalls)] if measured else []
+    for label, name in rows:
         if f"{name}, p90" not in table.values:
-            if kind in KINDS:
-                lines.append(f"{kind:<34}  none")
+            lines.append(f"{label:<34}  none")
             continue
         cells = [summary(table.values[f"{name}, {q}"], 3) for q in ("median", "p90", "max")]
         steps = summary(table.values[f"{name}, steps"], 0)
-        lines.append(f"{kind:<34}{cells[0]:>22}{cells[1]:>22}{cells[2]:>22}  {steps}")
+        lines.append(f"{label:<34}{cells[0]:>22}{cells[1]:>22}{cells[2]:>22}  {steps}")
     lines.append("(each cell: median (min-max) over the rounds of the round's figure)")
-    over, still = past_max(all_steps)
-    if f"{stalls}, p90" in table.values:
+    if measured:
+        over, still = past_max(all_steps)
         lines.append(
             f"steps past {MAX_STEP_MS:g} ms (all rounds): {over}; still past it with the "
             f"host's stalls taken out: {still}"
