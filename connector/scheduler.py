@@ -14,9 +14,8 @@ planned; nothing here raises into vLLM, and every HTTP call has a short timeout.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from connector import tokenpack
@@ -38,8 +37,8 @@ from connector.servers import (
     open_links,
     renegotiate,
 )
+from connector.session_ends import SessionEnds
 from contract.schemas import NegotiateRequest
-from contract.wire_text import end_sessions
 
 __all__ = ["SchedulerAdapter"]
 
@@ -143,8 +142,7 @@ class SchedulerAdapter:
             close_links(self.links)
             raise
         self._ended: list[str] = []  # sessions to end, queued for the heartbeat by the next plan
-        self._ending: list[str] = []  # sessions the heartbeat loop ends next
-        self._ending_lock = threading.Lock()
+        self._ends = SessionEnds(self.links)  # sessions the heartbeat loop ends next
         # Requests a plan carried stores for, until vLLM frees their blocks.
         self._storing: set[str] = set()
         self._landing = _Landing(self.chunk_size, config.request_timeout_s, clock)
@@ -257,8 +255,9 @@ class SchedulerAdapter:
         whatever store planning met."""
         self._lookups.send()
         loads, stores, failed_loads = self._planner.plan(scheduler_output, store=self.available)
-        self._send_end(self._ended)
-        self._ended.clear()
+        if self._ended:
+            self._ends.put(self._ended)
+            self._ended.clear()
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
         plan = StepPlan(
             loads=tuple(loads),
@@ -300,38 +299,20 @@ class SchedulerAdapter:
             return
         self._storing.difference_update(ended)
         self._landing.landed(ended)
-        self._send_end(ended)
+        self._ends.put(ended)
 
-    def _send_end(self, request_ids: Sequence[str]) -> None:
-        """Queue the sessions for the heartbeat loop's next ``_end_queued``."""
-        with self._ending_lock:
-            self._ending.extend(request_ids)
-
-    def _take_ending(self) -> list[str]:
-        with self._ending_lock:
-            ids, self._ending = self._ending, []
-        return ids
+    def _healthy(self, url: str) -> bool:
+        return self.links[url].healthy
 
     async def _end_queued(self, clients: Mapping[str, AsyncControlClient]) -> None:
-        ids = self._take_ending()
-        if not ids:
-            return
-        body = end_sessions(ids)
-        for client in clients.values():
-            await client.end_sessions(body)
+        """The heartbeat loop's round of ``/cache/end`` (``connector.session_ends``)."""
+        await self._ends.send(clients, self._healthy)
 
     def shutdown(self) -> None:
         """Stop the heartbeat, end the sessions still queued (bounded), close clients."""
         self.heartbeat.stop()
-        ended = self._ended + self._take_ending()
+        clients = {url: link.client for url, link in self.links.items()}
+        self._ends.flush(clients, self._healthy, extra=self._ended)
         self._ended.clear()
-        if ended:
-            body = end_sessions(ended)
-            for link in self.links.values():
-                if link.healthy:
-                    try:
-                        link.client.end_sessions(body)
-                    except ServerError as exc:
-                        logger.debug("mpcache end of sessions on %s failed: %s", link.url, exc)
         self._lookups.close()
         close_links(self.links)

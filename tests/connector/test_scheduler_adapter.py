@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
@@ -398,7 +399,6 @@ def test_degraded_lookup_and_stores(
 
 
 def test_lookup_5xx_counts_as_miss_without_degrading(adapters: list[SchedulerAdapter]) -> None:
-    import httpx
 
     server = FakeServer(min_chunk_size=64)
     adapter = make(adapters, server)
@@ -465,6 +465,21 @@ def test_finished_sessions_are_ended_off_thread(adapters: list[SchedulerAdapter]
     adapter.build_connector_meta(StepOutput())
     wait_until(lambda: server.ended == ["A", "B"])
     assert server.paths().count("POST /cache/end") == 1  # one batched call per step
+
+
+def test_an_end_the_server_failed_is_sent_again_and_the_other_server_is_not_held(
+    adapters: list[SchedulerAdapter],
+) -> None:
+    """A 503 on one server's /cache/end leaves its sessions to the next round, not to
+    the server's TTL; the other server gets its end in the same round."""
+    a, b = FakeServer("http://a:1", 64), FakeServer("http://b:2", 64)
+    adapter = make(adapters, a, b, world_size=2, heartbeat=True, interval=10)
+    a.fail_next["/cache/end"] = httpx.Response(503, json={"detail": "busy"})
+    adapter.request_finished(FakeRequest("A", _tokens(10)))
+    adapter.build_connector_meta(StepOutput())
+    wait_until(lambda: a.ended == ["A"] and b.ended == ["A"])
+    assert a.paths().count("POST /cache/end") == 2
+    assert b.paths().count("POST /cache/end") == 1
 
 
 def test_steps_queue_ended_sessions_for_the_heartbeat_loop(
