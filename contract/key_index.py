@@ -12,14 +12,18 @@ call to the server. It is advisory: a key it shows may be evicted before the loa
 Layout (little-endian)::
 
     header (64 bytes): magic "MPKI" | version u32 | slots u32 | flags u32 |
-                       secret u64 | boot_id 16 bytes | 24 reserved
+                       secret u64 | boot_id 16 bytes | epoch u64 | 16 reserved
     slot i (32 bytes, at 64 + 32 i): seq u64 | ranks u64 | key 16 bytes
 
 Open addressing with linear probing from ``key's first 8 bytes & (slots - 1)``. A
 slot never used is all zeros and ends a probe; a key whose ranks fell to 0 stays as
 a tombstone. ``ranks`` has bit r set when rank r holds the key. Each slot is a
 seqlock: the writer makes ``seq`` odd, writes, makes it even again; a reader takes a
-slot only if it read the same even ``seq`` before and after.
+slot only if it read the same even ``seq`` before and after. ``epoch`` is the same
+for the whole table: the writer makes it odd while it rebuilds (clears every slot and
+puts the live keys back), and a probe that saw it odd, or changed, cannot say
+(``IndexBusy``) rather than miss a key not yet put back. (A server older than the
+field leaves it 0: never rebuilding, as its readers assumed.)
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
+    "EPOCH_OFFSET",
     "FLAG_AUTHORITATIVE",
     "HEADER",
     "HEADER_BYTES",
@@ -52,7 +57,7 @@ class IndexBusy(Exception):
 
 MAGIC = b"MPKI"
 VERSION = 1
-HEADER = struct.Struct("<4sIIIQ16s24x")
+HEADER = struct.Struct("<4sIIIQ16sQ16x")
 HEADER_BYTES = HEADER.size
 SLOT = struct.Struct("<QQ16s")
 SLOT_BYTES = SLOT.size
@@ -62,6 +67,8 @@ FLAG_AUTHORITATIVE = 1
 """The index holds every key the server could serve (no L2 tier, nothing left out)."""
 
 _SEQ = struct.Struct("<Q")
+EPOCH_OFFSET = 40
+"""Where the header's ``epoch`` is (odd while the writer rebuilds the table)."""
 _EMPTY_KEY = bytes(16)
 _SPINS = 64
 """Tries to read one slot the writer keeps changing before the probe gives up (a miss)."""
@@ -81,7 +88,7 @@ class IndexHeader:
         """The header of an index, or ``ValueError`` when ``buf`` is not one."""
         if len(buf) < HEADER_BYTES:
             raise ValueError("too short for a key index")
-        magic, version, slots, flags, secret, boot = HEADER.unpack_from(buf)
+        magic, version, slots, flags, secret, boot, _epoch = HEADER.unpack_from(buf)
         if magic != MAGIC or version != VERSION:
             raise ValueError(f"not a key index of version {VERSION}: {magic!r} {version}")
         if slots < 1 or slots & (slots - 1) or len(buf) < HEADER_BYTES + slots * SLOT_BYTES:
@@ -110,9 +117,28 @@ class IndexView:
         (flags,) = struct.unpack_from("<I", self._buf, 12)
         return bool(flags & FLAG_AUTHORITATIVE)
 
+    def _epoch(self) -> int:
+        """The table's epoch, even and unchanged through a probe, or ``IndexBusy``."""
+        (epoch,) = _SEQ.unpack_from(self._buf, EPOCH_OFFSET)
+        if epoch & 1:
+            raise IndexBusy
+        return int(epoch)
+
+    def _settled(self, epoch: int) -> None:
+        """Raise ``IndexBusy`` when a rebuild began since ``epoch`` was read."""
+        if _SEQ.unpack_from(self._buf, EPOCH_OFFSET)[0] != epoch:
+            raise IndexBusy
+
     def holds(self, key: bytes, ranks: int) -> bool:
         """True when every rank in the bitmask ``ranks`` holds ``key``; raises
-        ``IndexBusy`` when a slot on its probe path would not settle."""
+        ``IndexBusy`` when a slot on its probe path would not settle, or the table
+        was being rebuilt."""
+        epoch = self._epoch()
+        held = self._holds(key, ranks)
+        self._settled(epoch)
+        return held
+
+    def _holds(self, key: bytes, ranks: int) -> bool:
         buf, mask = self._buf, self._mask
         pos = int.from_bytes(key[:8], "little") & mask
         for _ in range(mask + 1):
@@ -132,7 +158,14 @@ class IndexView:
         """How many of ``keys``, in order, every rank in ``range(world_size)`` holds.
 
         Every key's home slot is read at once (numpy); a key not settled there (it
-        probed on past a collision, or its slot was being written) is asked alone."""
+        probed on past a collision, or its slot was being written) is asked alone.
+        ``IndexBusy`` as for ``holds``."""
+        epoch = self._epoch()
+        count = self._leading(keys, world_size)
+        self._settled(epoch)
+        return count
+
+    def _leading(self, keys: Sequence[bytes], world_size: int) -> int:
         ranks = (1 << world_size) - 1
         words = self._words
         if words is None or len(keys) < 8:
@@ -153,7 +186,7 @@ class IndexView:
 
     def _leading_from(self, keys: Sequence[bytes], start: int, ranks: int) -> int:
         for count in range(start, len(keys)):
-            if not self.holds(keys[count], ranks):
+            if not self._holds(keys[count], ranks):
                 return count
         return len(keys)
 

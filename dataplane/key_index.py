@@ -19,6 +19,7 @@ import struct
 import numpy as np
 
 from contract.key_index import (
+    EPOCH_OFFSET,
     FLAG_AUTHORITATIVE,
     HEADER,
     HEADER_BYTES,
@@ -64,6 +65,7 @@ class KeyIndex:
         self._used = 0  # slots holding a key, live or tombstone
         self._tombstones = 0
         self._authoritative = authoritative
+        self._epoch = 0  # odd while the table is rebuilt (contract.key_index)
         self.left_out = 0
         """Keys not indexed because the table was full (readers then ask by HTTP)."""
 
@@ -74,7 +76,7 @@ class KeyIndex:
         segment = Segment.create(segment_name("index"), HEADER_BYTES + slots * SLOT_BYTES)
         index = cls(segment, slots, authoritative=authoritative)
         flags = FLAG_AUTHORITATIVE if authoritative else 0
-        header = HEADER.pack(b"\0" * 4, VERSION, slots, flags, secret, bytes.fromhex(boot_id))
+        header = HEADER.pack(b"\0" * 4, VERSION, slots, flags, secret, bytes.fromhex(boot_id), 0)
         segment.buffer[4:HEADER_BYTES] = header[4:]
         segment.buffer[0:4] = MAGIC  # last: a reader sees a whole header or none
         return index
@@ -155,9 +157,19 @@ class KeyIndex:
             self._authoritative = False
             struct.pack_into("<I", self.segment.buffer, 12, 0)  # a miss here may be a hit
 
+    def _set_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+        struct.pack_into("<Q", self.segment.buffer, EPOCH_OFFSET, epoch)
+
     def _rebuild(self) -> None:
-        """Drop the tombstones: clear the table and put the live keys back. Readers may
-        miss a key meanwhile (a lookup by HTTP then), never see a wrong one."""
+        """Drop the tombstones: clear the table and put the live keys back. The epoch
+        is odd meanwhile, so a reader cannot say (a lookup by HTTP then) rather than
+        miss a key not yet put back."""
+        self._set_epoch(self._epoch + 1)  # a refill that raised leaves it odd: HTTP
+        self._refill()
+        self._set_epoch(self._epoch + 1)
+
+    def _refill(self) -> None:
         words = self._words
         live = words[words[:, 1] != 0][:, 1:].copy()
         for slot in range(self.slots):

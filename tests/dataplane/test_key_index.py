@@ -132,6 +132,39 @@ def test_a_reader_never_sees_a_key_it_was_not_given(index: KeyIndex) -> None:
     assert wrong == []
 
 
+def test_a_reader_during_a_rebuild_cannot_say_rather_than_miss(
+    index: KeyIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rebuild clears every slot and puts the live keys back one by one: a probe
+    then says it cannot answer (the connector asks the server), never that a key the
+    server holds is missing, and answers again once the rebuild is done."""
+    stable = [secrets.token_bytes(16) for _ in range(8)]
+    for key in stable:
+        index.set(key, 0, True)
+    for key in [secrets.token_bytes(16) for _ in range(8)]:  # tombstones to drop
+        index.set(key, 0, True)
+        index.set(key, 0, False)
+    reader = view(index)
+    seen: list[object] = []
+    real_find = index._find
+
+    def probing_find(low: int, high: int) -> tuple[int | None, int | None]:
+        for leading in (False, True):
+            try:
+                seen.append(reader.leading(stable, 1) if leading else reader.holds(stable[-1], 1))
+            except IndexBusy:
+                seen.append(None)
+        return real_find(low, high)
+
+    monkeypatch.setattr(index, "_find", probing_find)
+    index._rebuild()  # puts each live key back through _find
+    assert len(seen) == 2 * len(stable)
+    assert set(seen) == {None}
+    monkeypatch.undo()
+    assert all(reader.holds(key, 1) for key in stable)
+    assert reader.leading(stable, 1) == len(stable)
+
+
 def test_a_slot_left_mid_write_is_cannot_say_not_a_miss(index: KeyIndex) -> None:
     """A writer preempted inside a slot's write leaves its sequence odd: a reader that
     needs that slot says it cannot answer, so the connector asks the server instead
