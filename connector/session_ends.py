@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from connector.client import AsyncControlClient, ControlClient
 from connector.errors import ServerError, ServerFailure, ServerUnreachable
@@ -30,6 +30,12 @@ BATCH = 4096
 
 RETRY_CAP = 65536
 """Most ids kept for one server whose calls fail; past it the oldest go to its TTL."""
+
+
+def _batches(ids: Sequence[str]) -> Iterator[tuple[int, Sequence[str]]]:
+    """``ids`` in calls of at most ``BATCH``, each with where it starts."""
+    for start in range(0, len(ids), BATCH):
+        yield start, ids[start : start + BATCH]
 
 
 def _retryable(exc: ServerError) -> bool:
@@ -86,9 +92,9 @@ class SessionEnds:
         if not healthy:
             self.keep(url, ids)
             return
-        for start in range(0, len(ids), BATCH):
+        for start, batch in _batches(ids):
             try:
-                await client.end_sessions(end_sessions(ids[start : start + BATCH]))
+                await client.end_sessions(end_sessions(batch))
             except ServerError as exc:
                 self._failed(url, ids[start:], exc)
                 return
@@ -112,9 +118,9 @@ class SessionEnds:
         for url, ids in self.take(extra).items():
             if url not in clients or not healthy(url):
                 continue
-            for start in range(0, len(ids), BATCH):
+            for _, batch in _batches(ids):
                 try:
-                    clients[url].end_sessions(end_sessions(ids[start : start + BATCH]))
+                    clients[url].end_sessions(end_sessions(batch))
                 except ServerError as exc:
                     logger.debug("mpcache end of sessions on %s failed: %s", url, exc)
                     break

@@ -17,16 +17,17 @@ A, B = "http://a:1", "http://b:2"
 
 
 class Client:
-    """A server's client: records each call's ids; raises the queued errors first."""
+    """A server's client: records each call's ids; call n (from 1) raises ``fail[n]``."""
 
-    def __init__(self, *errors: ServerError) -> None:
+    def __init__(self, fail: dict[int, ServerError] | None = None) -> None:
         self.calls: list[list[str]] = []
-        self.errors = list(errors)
+        self.fail = fail or {}
 
     def _end(self, body: EndSessionsRequest) -> None:
         self.calls.append(list(body.request_ids))
-        if self.errors:
-            raise self.errors.pop(0)
+        error = self.fail.get(len(self.calls))
+        if error is not None:
+            raise error
 
     async def end_sessions(self, body: EndSessionsRequest) -> None:
         self._end(body)
@@ -46,7 +47,7 @@ def _round(ends: SessionEnds, clients: dict[str, Any], healthy: bool = True) -> 
 
 
 def test_a_server_whose_call_failed_gets_its_ends_next_round_and_the_other_at_once() -> None:
-    a, b = Client(ServerTimeout("timed out", url=A)), Client()
+    a, b = Client({1: ServerTimeout("timed out", url=A)}), Client()
     ends = SessionEnds([A, B])
     ends.put(["r1"])
     _round(ends, {A: a, B: b})
@@ -60,8 +61,8 @@ def test_a_server_whose_call_failed_gets_its_ends_next_round_and_the_other_at_on
 
 
 def test_a_5xx_is_retried_a_refusal_is_not() -> None:
-    failing = Client(ServerFailure("503", url=A, status=503))
-    refusing = Client(ServerRejected("422", url=B, status=422))
+    failing = Client({1: ServerFailure("503", url=A, status=503)})
+    refusing = Client({1: ServerRejected("422", url=B, status=422)})
     ends = SessionEnds([A, B])
     ends.put(["r1"])
     _round(ends, {A: failing, B: refusing})
@@ -85,18 +86,9 @@ def test_ends_go_in_batches_and_a_failed_batch_keeps_the_rest(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(session_ends, "BATCH", 2)
-    a = Client()
+    a = Client({2: ServerTimeout("timed out", url=A)})
     ends = SessionEnds([A])
-    ids = [f"r{i}" for i in range(5)]
-    ends.put(ids)
-    original = a._end
-
-    def fail_second(body: EndSessionsRequest) -> None:
-        original(body)
-        if len(a.calls) == 2:
-            raise ServerTimeout("timed out", url=A)
-
-    monkeypatch.setattr(a, "_end", fail_second)
+    ends.put([f"r{i}" for i in range(5)])
     _round(ends, {A: a})
     assert a.calls == [["r0", "r1"], ["r2", "r3"]]  # stopped at the failed batch
     _round(ends, {A: a})
@@ -120,7 +112,7 @@ def test_what_a_server_keeps_is_bounded_and_the_newest_survive(
 def test_flush_at_shutdown_ends_kept_and_queued_ids_on_healthy_servers_only() -> None:
     ends = SessionEnds([A, B])
     ends.put(["r1"])
-    _round(ends, {A: Client(ServerTimeout("timed out", url=A)), B: Client()})  # A keeps r1
+    _round(ends, {A: Client({1: ServerTimeout("timed out", url=A)}), B: Client()})  # A keeps r1
     ends.put(["r2"])
     a, b = SyncClient(), SyncClient()
     ends.flush({A: a, B: b}, lambda url: url == A, extra=["r0"])  # type: ignore[dict-item]
