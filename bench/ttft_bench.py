@@ -23,7 +23,12 @@ prompt at a time:
   work differ in a run.
 
 After each round, each mpcache engine's server's mean store and retrieve call (``/metrics``,
-from receipt to reply) is read: what the copies cost beside the engine.
+from receipt to reply) is read: what the copies cost beside the engine. Around each
+miss, every engine also reads the CPU time mpcache spends during it: every thread of
+the round's mpcache servers, and the connector's own threads (``mpcache-...``) in
+the engine's processes. ``mpcache``'s figure is what mpcache takes from the cores
+its miss computes on; ``none``'s, the same servers idle, is its floor. (The
+connector's calls on vLLM's own thread are bench/step_bench.py's figure.)
 
 Every engine runs the same cases with the round's prompts (random token ids),
 ``--prompts`` times over with distinct prompts: each ``--lengths`` prompt three times
@@ -76,6 +81,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -159,15 +165,26 @@ def _engine(spec: dict[str, Any]) -> None:
         }
     llm = LLM(**kwargs)
 
-    def generate(prompt: list[int], max_tokens: int = 1) -> dict[str, Any]:
+    def mpcache_cpu_ns() -> int:
+        """CPU spent so far by every mpcache server of the round and by the
+        connector's threads in this engine's processes (the engine core's here, the
+        worker's through vLLM's ``collective_rpc``)."""
+        servers = sum(_process_cpu_ns(pid) for pid in spec["server_pids"])
+        return servers + _mpcache_threads_ns() + sum(llm.collective_rpc(_mpcache_threads_ns))
+
+    def generate(prompt: list[int], max_tokens: int = 1, watch: bool = False) -> dict[str, Any]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        cpu = mpcache_cpu_ns() if watch else 0
         begin = time.perf_counter()
         (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-        return {
+        run = {
             "ms": (time.perf_counter() - begin) * 1e3,
             "cached": out.num_cached_tokens or 0,
             "tokens": list(out.outputs[0].token_ids),
         }
+        if watch:
+            run["mpcache cpu ms"] = (mpcache_cpu_ns() - cpu) / 1e6
+        return run
 
     generate(spec["warmup"], 4)
     print("ready", file=replies)
@@ -176,7 +193,7 @@ def _engine(spec: dict[str, Any]) -> None:
         results: dict[str, dict[str, Any]] = {}
         for name, prompts in spec["prompts"].items():
             prompt = prompts[i]
-            results[f"{name} miss"] = generate(prompt)
+            results[f"{name} miss"] = generate(prompt, watch=True)
             results[f"{name} hit"] = generate(prompt)
             time.sleep(spec["later_s"])
             results[f"{name} later hit"] = generate(prompt)
@@ -186,6 +203,36 @@ def _engine(spec: dict[str, Any]) -> None:
         results["multi-turn turn 2"]["shared"] = len(turn1) + len(answer)
         print(json.dumps(results), file=replies)
     llm.llm_engine.engine_core.shutdown()
+
+
+def _thread_cpu_ns(pid: int, tid: int | str) -> int:
+    """Nanoseconds thread ``tid`` of ``pid`` has spent on a core (0 once it ended)."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            return int(f.read().split()[0])
+    except OSError:
+        return 0
+
+
+def _process_cpu_ns(pid: int) -> int:
+    """Nanoseconds every thread of ``pid`` has spent on a core (0 once it ended)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    return sum(_thread_cpu_ns(pid, tid) for tid in tids)
+
+
+def _mpcache_threads_ns(_worker: object = None) -> int:
+    """Nanoseconds the connector's threads in this process (named ``mpcache-...``:
+    heartbeat loops, lookups, transfer lanes) have spent on a core. Also run in
+    vLLM's worker (``collective_rpc`` hands it the worker, unused)."""
+    pid = os.getpid()
+    return sum(
+        _thread_cpu_ns(pid, thread.native_id)
+        for thread in threading.enumerate()
+        if thread.name.startswith("mpcache") and thread.native_id is not None
+    )
 
 
 # ---------------------------------------------------------------- bench side
@@ -335,12 +382,16 @@ def _round(
     names = list(specs)
     with contextlib.ExitStack() as stack:
         urls: dict[str, str] = {}
+        pids: list[int] = []
+        for name in names:
+            if name in servers:
+                urls[name], proc = stack.enter_context(server_process(*servers[name]))
+                pids.append(proc.pid)
         engines: list[_EngineProcess] = []
         for name in names:
-            spec = specs[name]
-            if name in servers:
-                urls[name], _ = stack.enter_context(server_process(*servers[name]))
-                spec = {**spec, "server_url": urls[name]}
+            spec = {**specs[name], "server_pids": pids}
+            if name in urls:
+                spec["server_url"] = urls[name]
             engine = _EngineProcess(python, spec, log)
             stack.callback(engine.kill)
             engine.wait_ready()
@@ -364,8 +415,10 @@ def _round(
 def _case(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One engine's figures for one case in one round, from its ``--prompts`` runs:
     the median TTFT, the fewest tokens cached, every run's output."""
+    cpu = [run["mpcache cpu ms"] for run in runs if "mpcache cpu ms" in run]
     return {
         "ms": statistics.median(run["ms"] for run in runs),
+        "cpu ms": statistics.median(cpu) if cpu else None,
         "cached": min(run["cached"] for run in runs),
         "tokens": [run["tokens"] for run in runs],
         "shared": runs[0].get("shared"),
@@ -391,6 +444,8 @@ FIGURES = (
     "mpcache server retrieve ms / mpcache-alt server retrieve ms",
     "mpcache server store ms",
     "mpcache server retrieve ms",
+    "mpcache 2000 tokens miss mpcache CPU ms",
+    "none 2000 tokens miss mpcache CPU ms",
     "mpcache 2000 tokens hit cached tokens",
     "mpcache 2048 tokens hit cached tokens",
     "mpcache multi-turn turn 2 cached tokens",
@@ -416,6 +471,8 @@ def _report(
             for case in cases:
                 table.add(f"{engine} {case}", r[engine][case]["ms"])
                 table.add(f"{engine} {case} cached tokens", r[engine][case]["cached"])
+                if r[engine][case]["cpu ms"] is not None:
+                    table.add(f"{engine} {case} mpcache CPU ms", r[engine][case]["cpu ms"])
             for op, ms in r[engine].get("server calls", {}).items():
                 table.add(f"{engine} server {op} ms", ms)
     head = f"{'case':<26}{'engine':<15}{'TTFT ms median (min-max)':>28}{'cached tokens':>24}"
