@@ -1,7 +1,8 @@
 """How long vLLM's engine step waits on the connector, in a real vLLM CPU engine.
 
 Two engines a round (three with ``--compare-server-args``), each in a process of
-its own, started afresh every round in an order that rotates round by round, with
+its own, started afresh every round in an order that rotates round by round and
+alive together for the round (``bench.engine_process``), with
 bench/ttft_bench.py's model and settings (a random Llama of 8 layers, block 32,
 2000-token prompts, the same OpenMP threads for all: ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``):
 
@@ -15,11 +16,17 @@ bench/ttft_bench.py's model and settings (a random Llama of 8 layers, block 32,
   round by round (its per-step records are kept apart: the per-step figures are
   ``mpcache``'s).
 
-Both run the same work, after a warm-up prompt:
+Both run the same work, after a warm-up prompt, taking turns (1.5 s idle before
+each turn: a vLLM worker polls for 1 s after its last step):
 
 1. **Passes**: ``--requests`` prompts one at a time, then each again (4 tokens a
    pass): a first pass stores its 7 chunks (14.7 MB), a second one loads them.
-2. **Decode**: the bench steps the engine itself (``LLMEngine.step``): request R
+   Every engine runs its passes, then every engine its first decode phase.
+2. **Decode**, in two phases per engine, the second in the reverse order of the
+   first (A B B A: a drift of the machine over the round weighs on both engines
+   alike, where one engine run after another put minutes between them), each
+   phase with a new R and new "new" prompts. The bench steps the engine itself
+   (``LLMEngine.step``): request R
    (a ``--r-prompt``-token prompt, ``--r-tokens`` tokens) decodes, and from its 8th
    token on, every 8 of its tokens, one more request arrives (4 tokens each),
    alternately a passes' prompt (cached: in the mpcache engine it loads) and a new
@@ -32,7 +39,8 @@ Both run the same work, after a warm-up prompt:
    prompt prefilled (its first token came with R's): that compute is the same in
    both engines and tens of times a decode step on this CPU, so it would bury the
    loads and any copy running beside later steps; a store made inside that step
-   is left out with it, and is what the per-step connector time shows.
+   is left out with it, and is what the per-step connector time shows. An
+   engine's figure in a round is the mean of its two phases'.
 
    The baseline is the ``vllm`` engine, run the same round: its prefix cache holds
    the cached prompts, so it does the same compute as the mpcache engine (a cached
@@ -43,17 +51,18 @@ Both run the same work, after a warm-up prompt:
 
 The mpcache engine's worker writes one record per step: the time summed over the
 step's connector calls. Printed, round by round: R's time per token in each engine
-and the ratio, each engine's longest gap between two of R's tokens, and the
-round's worst connector time per step. Then the per-step sums over every step
-after the warm-up (both phases): median, p90 (nearest rank) and max over the steps
-whose plan loads, those whose plan stores, and all steps, each taken within its
-round; which calls the time went to; the greedy outputs compared between the
-engines (R's own only as far as they agree: its batches differ by a step once a
-load holds a request back, and vLLM on CPU is not batch-invariant); then the
-``result:`` lines of ``FIGURES`` (median (min-max) over the rounds).
+and the ratio (and each phase's), each engine's longest gap between two of R's
+tokens, and the round's worst connector time per step. Then the per-step sums
+over every step after the warm-up (the passes and both decode phases): median,
+p90 (nearest rank) and max over the steps whose plan loads, those whose plan
+stores, and all steps, each taken within its round; which calls the time went
+to; the greedy outputs compared between the engines (R's own only as far as they
+agree: its batches differ by a step once a load holds a request back, and vLLM on
+CPU is not batch-invariant); then the ``result:`` lines of ``FIGURES`` (median
+(min-max) over the rounds).
 
-Each round line also gives the host's steal during each engine's run (``/proc/stat``,
-both CPUs): time this virtual machine's CPUs were held by the hypervisor.
+Each round line also gives the host's steal during each engine's decode phases
+(``/proc/stat``, both CPUs): time this virtual machine's CPUs were held by the hypervisor.
 ``--host-stalls`` tells the connector's own time from the host's: the mpcache
 engines' workers also read their thread's CPU time and context switches around each
 call (``bench.timed_connector.host_stall_ms``), and the report adds each step's time
@@ -67,20 +76,22 @@ with the connector <= 1.1x the baseline's.
     .venv/bin/python bench/step_bench.py [--rounds 5] [--host-stalls]
     .venv/bin/python bench/step_bench.py --rounds 1 --quick   # a smoke run
 
-Needs the e2e venv (``.venv-e2e``). A round runs 14 prefills of 2000 tokens and
-two engine starts; ``--quick`` runs 6.
+Needs the e2e venv (``.venv-e2e``). A round runs 20 prefills of 2000 tokens and
+two engine starts; ``--quick`` runs 8. With ``--keep``, the work folder keeps each
+round's results (``rN.json``: R's clock token by token in every phase, by the wall
+clock of the worker's step records, ``rN-mpcache-steps.jsonl``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -88,6 +99,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.engine_process import EngineProcess
 from bench.ttft_bench import VOCAB_SIZE, engine_env, engine_kwargs, make_model, prepare_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,10 +110,12 @@ ARRIVAL_EVERY = 8  # R's tokens between two arrivals (the first at this many)
 RECORDS_ENV = "MPCACHE_STEP_RECORDS"  # bench.timed_connector.RECORDS_ENV (imports vLLM)
 CPU_ENV = "MPCACHE_STEP_CPU"  # bench.timed_connector.CPU_ENV
 MAX_STEP_MS = 2.0  # issue 22's bound on a step's connector time
+PHASES = 2  # R's decode phases per engine and round (A B B A)
+GAP_S = 1.5  # idle before each engine's turn: longer than vLLM's 1 s of polling after a step
 
 
 # ---------------------------------------------------------------- engine side
-# (run by the e2e venv's python: ``step_bench.py engine SPEC_JSON``)
+# (run by the e2e venv's python: ``step_bench.py engine SPEC_FILE``)
 
 
 def _mark(spec: dict[str, Any], label: str) -> None:
@@ -116,27 +130,28 @@ def _decode(engine: Any, spec: dict[str, Any], params: Any) -> dict[str, Any]:
     engine.add_request("R", {"prompt_token_ids": spec["r_prompt"]}, params(spec["r_tokens"]))
     pending = list(spec["others"])
     tokens: dict[str, list[int]] = {}
-    # R's tokens: (clock, R's tokens so far, whether a new prompt prefilled in the step)
-    r_times: list[tuple[float, int, bool]] = []
+    # R's tokens: (clock, R's tokens so far, whether a new prompt prefilled in the
+    # step, the wall clock: the worker's step records' ``t``)
+    r_times: list[tuple[float, int, bool, float]] = []
     finished: dict[str, float] = {}
     started: tuple[float, int] | None = None
     for _ in range(100_000):  # bounded; ends when every request has finished
         if not engine.has_unfinished_requests():
             break
         outputs = engine.step()
-        now = time.perf_counter()
+        now, wall = time.perf_counter(), time.time()
         prefilled = False
         for out in outputs:
             name = out.request_id.split("-")[0]
             ids = list(out.outputs[0].token_ids)
             prefilled |= name.startswith("new") and not tokens.get(name)
             if name == "R" and len(ids) > len(tokens.get("R", ())):
-                r_times.append((now, len(ids), False))
+                r_times.append((now, len(ids), False, wall))
             tokens[name] = ids
             if out.finished:
                 finished[name] = now
         if prefilled and r_times and r_times[-1][0] == now:
-            r_times[-1] = (now, r_times[-1][1], True)
+            r_times[-1] = (now, r_times[-1][1], True, wall)
         produced = len(tokens.get("R", ()))
         arrived = len(spec["others"]) - len(pending)
         if pending and produced >= ARRIVAL_EVERY * (arrived + 1):
@@ -146,10 +161,13 @@ def _decode(engine: Any, spec: dict[str, Any], params: Any) -> dict[str, Any]:
             engine.add_request(name, {"prompt_token_ids": prompt}, params(OTHER_TOKENS))
     assert started is not None and not pending, "R finished before every request arrived"
     others_done = max(finished[name] for name, _ in spec["others"])
-    after = [(t, n) for t, n, _ in r_times if t >= others_done]
+    after = [(t, n) for t, n, _, _ in r_times if t >= others_done]
     end = after[0] if after else r_times[-1][:2]
     window = [r for r in r_times if started[0] <= r[0] <= end[0]]
     gaps = [(b[0] - a[0], b[1] - a[1], b[2]) for a, b in itertools.pairwise(window)]
+    # Kept in the round's results file (``--keep``): where in the window R slowed,
+    # against the worker's step records by their wall clock.
+    clock = [(wall, n, prefill) for _, n, prefill, wall in window]
     outside_s = sum(s for s, _, prefill in gaps if not prefill)
     outside_tokens = sum(n for _, n, prefill in gaps if not prefill)
     alone = after[-1][1] - after[0][1] if after else 0
@@ -161,11 +179,18 @@ def _decode(engine: Any, spec: dict[str, Any], params: Any) -> dict[str, Any]:
         "max_gap_ms": max(s for s, _, _ in gaps) * 1e3,
         "alone_ms_per_token": (after[-1][0] - after[0][0]) * 1e3 / alone if alone else math.nan,
         "outlived": bool(after),
+        "clock": clock,
         "outputs": tokens,
     }
 
 
 def _engine(spec: dict[str, Any]) -> None:
+    """Start the engine and warm it up, answer ``ready``, then run each command read
+    from stdin, ``passes`` or ``decode K`` (phase K of R's decode), and answer it
+    with its results, a JSON line on the original stdout; vLLM's own output (its
+    worker's too) goes to stderr, the bench's log."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
     from vllm import LLM, SamplingParams
 
     kind = spec["engine"]
@@ -189,15 +214,21 @@ def _engine(spec: dict[str, Any]) -> None:
 
     generate(spec["warmup"])
     _mark(spec, "measured")
-    outputs: dict[str, list[int]] = {}
-    for i, prompt in enumerate(spec["passes"]):
-        outputs[f"pass {i} first"] = generate(prompt)
-    for i, prompt in enumerate(spec["passes"]):
-        outputs[f"pass {i} second"] = generate(prompt)
-    decode = _decode(llm.llm_engine, spec, params)
-    outputs.update({f"decode {k}": v for k, v in decode.pop("outputs").items()})
+    print("ready", file=replies)
+    for line in sys.stdin:
+        command = line.split()
+        answer: dict[str, Any]
+        if command == ["passes"]:
+            answer = {}
+            for i, prompt in enumerate(spec["passes"]):
+                answer[f"pass {i} first"] = generate(prompt)
+            for i, prompt in enumerate(spec["passes"]):
+                answer[f"pass {i} second"] = generate(prompt)
+        else:
+            phase = {**spec["decodes"][int(command[1])], "r_tokens": spec["r_tokens"]}
+            answer = _decode(llm.llm_engine, phase, params)
+        print(json.dumps(answer), file=replies)
     _mark(spec, "end")
-    Path(spec["results"]).write_text(json.dumps({"outputs": outputs, "decode": decode}))
     llm.llm_engine.engine_core.shutdown()
 
 
@@ -211,44 +242,94 @@ def _prompts(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
 
     passes = [tokens(args.prompt_tokens) for _ in range(args.requests)]
-    # The cached arrivals are the passes' prompts: held by the server (mpcache) or
-    # by vLLM's prefix cache (vllm) since the passes.
-    others = [
-        (f"cached{i // 2}", passes[i // 2]) if i % 2 == 0 else (f"new{i // 2}", tokens(n))
-        for i, n in enumerate([args.prompt_tokens] * args.others)
-    ]
+
+    def phase() -> dict[str, Any]:
+        # The cached arrivals are the passes' prompts: held by the server (mpcache)
+        # or by vLLM's prefix cache (vllm) since the passes; the new ones are new
+        # to every phase, and so is R's prompt.
+        others = [
+            (f"cached{i // 2}", passes[i // 2]) if i % 2 == 0 else (f"new{i // 2}", tokens(n))
+            for i, n in enumerate([args.prompt_tokens] * args.others)
+        ]
+        return {"others": others, "r_prompt": tokens(args.r_prompt)}
+
     return {
         "warmup": tokens(args.prompt_tokens),
         "passes": passes,
-        "others": others,
-        "r_prompt": tokens(args.r_prompt),
+        "decodes": [phase() for _ in range(PHASES)],
         "r_tokens": args.r_tokens,
     }
 
 
-def _run_engine(python: Path, spec: dict[str, Any], log: Path) -> dict[str, Any]:
-    env = engine_env()
-    if spec.get("records"):
-        env[RECORDS_ENV] = spec["records"]
-        if spec.get("host_stalls"):
-            env[CPU_ENV] = "1"
-    steal_before = host_steal_ms()
-    with log.open("ab") as out:
-        proc = subprocess.run(
-            [str(python), __file__, "engine", json.dumps(spec)],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            timeout=900,
-        )
-    if proc.returncode != 0:
-        raise SystemExit(f"the {spec['engine']} engine failed (rc {proc.returncode}); see {log}")
-    result: dict[str, Any] = json.loads(Path(spec["results"]).read_text())
-    steal_after = host_steal_ms()
-    if steal_before is not None and steal_after is not None:
-        result["host_steal_ms"] = steal_after - steal_before
-    return result
+def _round(
+    python: Path,
+    specs: dict[str, dict[str, Any]],
+    servers: dict[str, list[str]],
+    work: Path,
+) -> dict[str, Any]:
+    """One round: every engine (each mpcache one with a fresh server) started in
+    ``specs``' order and alive together; each engine's passes in that order; then
+    the decode phases, first in that order and then in the reverse (A B B A), so
+    that a drift of the machine over the round falls on every engine alike."""
+    from tests.support import server_process
+
+    log = work / "engines.log"
+    order = list(specs)
+    results: dict[str, Any] = {name: {"phases": []} for name in order}
+    with contextlib.ExitStack() as stack:
+        engines: dict[str, EngineProcess] = {}
+        for name in order:
+            spec, env = specs[name], engine_env()
+            if name in servers:
+                url, _ = stack.enter_context(server_process(*servers[name]))
+                spec = {**spec, "server_url": url}
+                env[RECORDS_ENV] = spec["records"]
+                if spec["host_stalls"]:
+                    env[CPU_ENV] = "1"
+            engine = EngineProcess(python, Path(__file__), spec, log, env)
+            stack.callback(engine.kill)
+            engine.wait_ready()
+            engines[name] = engine
+        for name in order:
+            time.sleep(GAP_S)
+            results[name]["outputs"] = engines[name].ask("passes")
+        for position, name in enumerate(order + order[::-1]):
+            phase = position // len(order)
+            time.sleep(GAP_S)
+            before = host_steal_ms()
+            decode = engines[name].ask(f"decode {phase}")
+            after = host_steal_ms()
+            if before is not None and after is not None:
+                steal = results[name].get("host_steal_ms", 0.0)
+                results[name]["host_steal_ms"] = steal + after - before
+            outputs = decode.pop("outputs")
+            results[name]["outputs"].update({f"decode{phase} {k}": v for k, v in outputs.items()})
+            results[name]["phases"].append(decode)
+        for engine in engines.values():
+            engine.close()
+    for name in order:
+        results[name]["decode"] = merged(results[name].pop("phases"))
+    results["steps"] = _steps(Path(specs["mpcache"]["records"]))
+    return results
+
+
+def merged(phases: list[dict[str, Any]]) -> dict[str, Any]:
+    """An engine's decode figures over its phases (``_decode``'s, one per phase): the
+    time per token is their mean, so the A B B A order weighs each engine's phases
+    around the same middle of the round."""
+    alone = [p["alone_ms_per_token"] for p in phases if not math.isnan(p["alone_ms_per_token"])]
+    return {
+        "ms_per_token": statistics.fmean(p["ms_per_token"] for p in phases),
+        "ms_per_token_outside_prefills": statistics.fmean(
+            p["ms_per_token_outside_prefills"] for p in phases
+        ),
+        "tokens": sum(p["tokens"] for p in phases),
+        "prefill_steps": sum(p["prefill_steps"] for p in phases),
+        "max_gap_ms": max(p["max_gap_ms"] for p in phases),
+        "alone_ms_per_token": statistics.fmean(alone) if alone else math.nan,
+        "outlived": all(p["outlived"] for p in phases),
+        "phases": phases,
+    }
 
 
 def host_steal_ms(stat: Path = Path("/proc/stat")) -> float | None:
@@ -392,18 +473,21 @@ def _report(rounds: list[dict[str, Any]]) -> str:
         for engine in ("mpcache", ALT)
         if engine in r
         for case, ids in r[engine]["outputs"].items()
-        if case != "decode R" and ids != r["vllm"]["outputs"].get(case)
+        if not case.endswith(" R") and ids != r["vllm"]["outputs"].get(case)
     ]
     lines.append(
         f"outputs differing from the vllm engine's (round, engine, case): {mismatched or 'none'}"
     )
     agree = [
-        _agreeing(r["mpcache"]["outputs"]["decode R"], r["vllm"]["outputs"]["decode R"])
+        tuple(
+            _agreeing(r["mpcache"]["outputs"][f"decode{k} R"], r["vllm"]["outputs"][f"decode{k} R"])
+            for k in range(PHASES)
+        )
         for r in rounds
     ]
     lines.append(
-        f"R's tokens equal in both engines, from the first, per round: {agree} of "
-        f"{len(rounds[0]['vllm']['outputs']['decode R'])} (R's batches differ once a load "
+        f"R's tokens equal in both engines, from the first, per round and phase: {agree} of "
+        f"{len(rounds[0]['vllm']['outputs']['decode0 R'])} (R's batches differ once a load "
         "holds a request back a step; vLLM on CPU is not batch-invariant)"
     )
     lines.append(
@@ -439,12 +523,16 @@ def _round_line(index: int, results: dict[str, Any]) -> str:
     if ALT in results:
         ms = results[ALT]["decode"]["ms_per_token"]
         alt = f"; {ALT} {ms:.1f} = {ms / base['ms_per_token']:.3f} of vllm's"
+    phases = " / ".join(
+        ", ".join(f"{p['ms_per_token']:.1f}" for p in results[e]["decode"]["phases"])
+        for e in ENGINES
+    )
     return (
         f"round {index + 1}: R ms per token, mpcache / vllm: {pair('ms_per_token')} = "
-        f"{mp['ms_per_token'] / base['ms_per_token']:.3f}; outside prefills "
+        f"{mp['ms_per_token'] / base['ms_per_token']:.3f} (phases {phases}); outside prefills "
         f"{pair('ms_per_token_outside_prefills')} = "
         f"{mp['ms_per_token_outside_prefills'] / base['ms_per_token_outside_prefills']:.3f} "
-        f"({mp['tokens']} tokens, {mp['prefill_steps']} prefills; longest gap "
+        f"({mp['tokens']} tokens, {mp['prefill_steps']} prefills over its phases; longest gap "
         f"{pair('max_gap_ms')}; R alone after {pair('alone_ms_per_token')}); connector max per "
         f"step: stores {worst['steps that store']:.1f}, loads {worst['steps that load']:.1f}, "
         f"all {worst['all steps']:.1f} ms{own} ({len(results['steps'])} steps); host steal, "
@@ -457,7 +545,7 @@ def main() -> None:
         make_model(sys.argv[2], json.loads(sys.argv[3]))
         return
     if len(sys.argv) == 3 and sys.argv[1] == "engine":
-        _engine(json.loads(sys.argv[2]))
+        _engine(json.loads(Path(sys.argv[2]).read_text()))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -496,10 +584,7 @@ def main() -> None:
     if args.rounds < 5:
         print(f"note: {args.rounds} rounds; figures want at least 5", file=sys.stderr)
 
-    from tests.support import server_process
-
     python, work, shape = prepare_run(args, "mpcache-step-")
-    log = work / "engines.log"
     print(
         f"model: random Llama, {args.layers} layers, hidden {args.hidden}, 4 KV heads of 64, "
         f"{args.dtype}, block {args.block_size}; server --chunk-size {args.chunk_size}; "
@@ -512,28 +597,22 @@ def main() -> None:
     rounds: list[dict[str, Any]] = []
     for index in range(args.rounds):
         prompts = _prompts(args, seed=index)
-        results: dict[str, Any] = {}
         first = index % len(engines)
+        specs: dict[str, dict[str, Any]] = {}
         for engine in engines[first:] + engines[:first]:
-            spec = {
+            records = work / f"r{index}-{engine}-steps.jsonl"  # the mpcache engines' workers'
+            specs[engine] = {
                 **prompts,
                 **shape,
                 "engine": engine,
                 "model": str(work / "model"),
                 "block_size": args.block_size,
                 "executor": args.executor,
-                "results": str(work / f"r{index}-{engine}.json"),
                 "host_stalls": args.host_stalls,
+                "records": str(records) if engine in servers else "",
             }
-            if engine in servers:
-                records = work / f"r{index}-{engine}-steps.jsonl"
-                spec["records"] = str(records)
-                with server_process(*servers[engine]) as (url, _):
-                    results[engine] = _run_engine(python, {**spec, "server_url": url}, log)
-                if engine == "mpcache":
-                    results["steps"] = _steps(records)
-            else:
-                results[engine] = _run_engine(python, spec, log)
+        results = _round(python, specs, servers, work)
+        (work / f"r{index}.json").write_text(json.dumps(results))
         rounds.append(results)
         print(_round_line(index, results), flush=True)
     print(_report(rounds))

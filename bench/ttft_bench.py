@@ -76,7 +76,6 @@ import contextlib
 import json
 import os
 import random
-import select
 import statistics
 import subprocess
 import sys
@@ -85,6 +84,10 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.engine_process import EngineProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ("vllm", "mpcache", "none")
@@ -311,57 +314,17 @@ def _server_call_ms(url: str) -> dict[str, float]:
     return means
 
 
-class _EngineProcess:
-    """One engine (``_engine``) in a process of its own, driven a prompt at a time."""
+class _EngineProcess(EngineProcess):
+    """One engine (``_engine``), driven a prompt at a time."""
 
     def __init__(self, python: Path, spec: dict[str, Any], log: Path) -> None:
-        self.name: str = spec["engine"]
-        spec_file = log.parent / f"{self.name}.spec.json"  # too long for argv
-        spec_file.write_text(json.dumps(spec))
-        self.log = log
-        with log.open("ab") as out:
-            self._proc = subprocess.Popen(
-                [str(python), __file__, "engine", str(spec_file)],
-                cwd=ROOT,
-                env=engine_env(),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=out,
-                text=True,
-            )
+        super().__init__(python, Path(__file__), spec, log, engine_env())
         self.runs: dict[str, list[dict[str, Any]]] = {}
-
-    def _reply(self, timeout_s: float) -> str:
-        assert self._proc.stdout is not None
-        ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
-        line = self._proc.stdout.readline() if ready else ""
-        if not line:
-            self.kill()
-            raise SystemExit(f"the {self.name} engine did not answer; see {self.log}")
-        return line
-
-    def wait_ready(self) -> None:
-        self._reply(600)
 
     def run(self, prompt_index: int) -> None:
         """Time prompt ``prompt_index``'s cases; keep their results."""
-        assert self._proc.stdin is not None
-        self._proc.stdin.write(f"{prompt_index}\n")
-        self._proc.stdin.flush()
-        for case, run in json.loads(self._reply(600)).items():
+        for case, run in self.ask(str(prompt_index), timeout_s=600).items():
             self.runs.setdefault(case, []).append(run)
-
-    def close(self) -> None:
-        assert self._proc.stdin is not None
-        self._proc.stdin.close()
-        rc = self._proc.wait(timeout=120)
-        if rc != 0:
-            raise SystemExit(f"the {self.name} engine failed (rc {rc}); see {self.log}")
-
-    def kill(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
 
 
 def _round(

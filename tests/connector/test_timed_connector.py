@@ -198,3 +198,29 @@ def test_a_step_past_the_bound_counts_as_the_connectors_only_past_the_hosts_stal
         {"ms": 0.3, "stalled_ms": 0.0},
     ]
     assert past_max(steps) == (3, 2)
+
+
+def test_an_engines_decode_time_in_a_round_weighs_both_of_its_phases() -> None:
+    import math
+
+    from bench.step_bench import merged
+
+    def phase(ms: float, alone: float, gap: float) -> dict[str, object]:
+        return {
+            "ms_per_token": ms,
+            "ms_per_token_outside_prefills": ms - 1,
+            "tokens": 50,
+            "prefill_steps": 3,
+            "max_gap_ms": gap,
+            "alone_ms_per_token": alone,
+            "outlived": True,
+        }
+
+    # The phases sit at both ends of the round (A B B A): a drift of the machine
+    # over it moves one up and the other down, and their mean stays put.
+    decode = merged([phase(20.0, math.nan, 900.0), phase(30.0, 24.0, 700.0)])
+    assert decode["ms_per_token"] == 25.0
+    assert decode["ms_per_token_outside_prefills"] == 24.0
+    assert (decode["tokens"], decode["prefill_steps"], decode["max_gap_ms"]) == (100, 6, 900.0)
+    assert decode["alone_ms_per_token"] == 24.0  # a phase R did not outlive is left out
+    assert len(decode["phases"]) == 2
