@@ -165,7 +165,9 @@ class KeyIndex:
         """Drop the tombstones: clear the table and put the live keys back. The epoch
         is odd meanwhile, so a reader cannot say (a lookup by HTTP then) rather than
         miss a key not yet put back."""
-        self._set_epoch(self._epoch + 1)  # a refill that raised leaves it odd: HTTP
+        # Odd from here, whatever it was: a refill that raised left it odd (readers
+        # went to HTTP since), and this one must still end on an even epoch.
+        self._set_epoch((self._epoch + 1) | 1)
         self._refill()
         self._set_epoch(self._epoch + 1)
 

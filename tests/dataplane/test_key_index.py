@@ -225,3 +225,39 @@ def test_leading_of_many_keys_reads_past_collisions(index: KeyIndex) -> None:
     assert reader.leading(keys, 1) == 13
     assert reader.leading(keys[:13], 1) == 13
     assert reader.leading(keys[:13], 2) == 0  # rank 1 holds none of them
+
+
+def test_a_rebuild_that_failed_keeps_readers_off_until_the_next_one_succeeds(
+    index: KeyIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refill that raised may have left the table half filled: readers cannot say
+    from then on, and the next rebuild, once whole, lets them answer again."""
+    stable = [secrets.token_bytes(16) for _ in range(8)]
+    for key in stable:
+        index.set(key, 0, True)
+    reader = view(index)
+
+    def broken() -> None:
+        raise MemoryError
+
+    monkeypatch.setattr(index, "_refill", broken)
+    with pytest.raises(MemoryError):
+        index._rebuild()
+    with pytest.raises(IndexBusy):
+        reader.holds(stable[0], 1)
+    monkeypatch.undo()
+    seen: list[object] = []
+    real_refill = index._refill
+
+    def watched_refill() -> None:
+        try:
+            seen.append(reader.holds(stable[0], 1))
+        except IndexBusy:
+            seen.append(None)
+        real_refill()
+
+    monkeypatch.setattr(index, "_refill", watched_refill)
+    index._rebuild()
+    assert seen == [None]  # still cannot say while the second rebuild runs
+    assert all(reader.holds(key, 1) for key in stable)
+    assert reader.leading(stable, 1) == len(stable)
