@@ -45,6 +45,25 @@ def load_line() -> str:
     return f"machine: {os.cpu_count()} cores, load average {one:.2f} {five:.2f} {fifteen:.2f}"
 
 
+def thread_cpu_ns(pid: int, tid: int | str) -> int:
+    """Nanoseconds thread ``tid`` of ``pid`` has spent on a core (0 once it ended):
+    ``/proc/PID/task/TID/schedstat``, Linux only."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            return int(f.read().split()[0])
+    except OSError:
+        return 0
+
+
+def process_cpu_ns(pid: int) -> int:
+    """Nanoseconds every thread of ``pid`` has spent on a core (0 once it ended)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    return sum(thread_cpu_ns(pid, tid) for tid in tids)
+
+
 def spread(values: Sequence[float]) -> tuple[float, float]:
     return min(values), max(values)
 

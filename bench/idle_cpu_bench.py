@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ from fastapi import FastAPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import MIN_ROUNDS, ROOT, Rounds, load_line, results
+from bench.common import MIN_ROUNDS, ROOT, Rounds, load_line, process_cpu_ns, results
 from tests.support import free_port, server_process, wait_healthy
 
 FIGURES = (
@@ -46,16 +45,6 @@ bare_app = FastAPI()
 @bare_app.get("/health")
 def health() -> dict[str, str]:
     return {"status": "ok"}
-
-
-def cpu_ns(pid: int) -> int:
-    """Nanoseconds ``pid``'s threads have spent on a core so far."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        # A thread may have ended since the listing.
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-            total += int(f.read().split()[0])
-    return total
 
 
 @contextlib.contextmanager
@@ -89,10 +78,10 @@ def main() -> None:
         with server_process() as (_, server), bare_uvicorn() as baseline:
             time.sleep(args.settle_s)
             pids = {mpcache: server.pid, bare: baseline.pid}
-            before = {name: cpu_ns(pid) for name, pid in pids.items()}
+            before = {name: process_cpu_ns(pid) for name, pid in pids.items()}
             begin = time.monotonic()
             time.sleep(args.window_s)
-            after = {name: cpu_ns(pid) for name, pid in pids.items()}
+            after = {name: process_cpu_ns(pid) for name, pid in pids.items()}
             seconds = time.monotonic() - begin
         for name in pids:
             rounds.add(name, (after[name] - before[name]) / 1e6 / seconds)

@@ -87,6 +87,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import process_cpu_ns, thread_cpu_ns
 from bench.engine_process import EngineProcess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,7 +173,7 @@ def _engine(spec: dict[str, Any]) -> None:
         """CPU spent so far by every mpcache server of the round and by the
         connector's threads in this engine's processes (the engine core's here, the
         worker's through vLLM's ``collective_rpc``)."""
-        servers = sum(_process_cpu_ns(pid) for pid in spec["server_pids"])
+        servers = sum(process_cpu_ns(pid) for pid in spec["server_pids"])
         return servers + _mpcache_threads_ns() + sum(llm.collective_rpc(_mpcache_threads_ns))
 
     def generate(prompt: list[int], max_tokens: int = 1, watch: bool = False) -> dict[str, Any]:
@@ -208,31 +209,13 @@ def _engine(spec: dict[str, Any]) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-def _thread_cpu_ns(pid: int, tid: int | str) -> int:
-    """Nanoseconds thread ``tid`` of ``pid`` has spent on a core (0 once it ended)."""
-    try:
-        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-            return int(f.read().split()[0])
-    except OSError:
-        return 0
-
-
-def _process_cpu_ns(pid: int) -> int:
-    """Nanoseconds every thread of ``pid`` has spent on a core (0 once it ended)."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0
-    return sum(_thread_cpu_ns(pid, tid) for tid in tids)
-
-
 def _mpcache_threads_ns(_worker: object = None) -> int:
     """Nanoseconds the connector's threads in this process (named ``mpcache-...``:
     heartbeat loops, lookups, transfer lanes) have spent on a core. Also run in
     vLLM's worker (``collective_rpc`` hands it the worker, unused)."""
     pid = os.getpid()
     return sum(
-        _thread_cpu_ns(pid, thread.native_id)
+        thread_cpu_ns(pid, thread.native_id)
         for thread in threading.enumerate()
         if thread.name.startswith("mpcache") and thread.native_id is not None
     )
